@@ -1,0 +1,238 @@
+"""The ASGI application: the proxy's own endpoints under /_streamfence/, and everything
+else forwarded through the relay.
+
+`create_app(config, transport=..., registry=...)` takes its upstream transport and registry
+by injection so tests and benchmarks can swap them; the httpx client is created in the
+lifespan, never at import time. Errors raised before the relay starts are turned into
+responses here, in one place, in the caller's dialect.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Mount, Route
+
+from proxy import dialects, logs, turns
+from proxy.config import Config
+from proxy.errors import BodyTooLarge, NoRoute, StreamfenceError, Unauthorized
+from proxy.logs import Record
+from proxy.metrics import Metrics
+from proxy.registry import MemoryRegistry, Registry
+from proxy.relay import Exchange, Receive, Relay, Send, error_response_parts
+from proxy.routing import RESERVED_PREFIX, Router, request_headers
+from proxy.upstream import create_client, timeout_for
+
+ACCESS_TOKEN_HEADER = b"x-streamfence-token"
+REQUEST_ID_HEADER = b"x-request-id"
+log = logging.getLogger("streamfence")
+
+
+class ClientLeft(Exception):
+    """The client disconnected while the proxy was still reading its request."""
+
+
+class Runtime:
+    """What the lifespan creates and every request shares."""
+
+    def __init__(self, config: Config, registry: Registry) -> None:
+        self.config = config
+        self.registry = registry
+        self.router = Router(config.upstream)
+        self.metrics = Metrics()
+        self.client: httpx.AsyncClient | None = None
+        self.turn_header = config.turns.header.lower().encode("latin-1")
+        self.drop_headers = {self.turn_header, ACCESS_TOKEN_HEADER}
+        self.token = config.server.access_token.encode()
+
+    def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        if not self.token:
+            return True
+        given = next((v for n, v in headers if n == ACCESS_TOKEN_HEADER), b"")
+        return hmac.compare_digest(given, self.token)
+
+    def finished(self, record: Record, error: StreamfenceError | None) -> None:
+        kind = getattr(error, "kind", None)
+        self.metrics.observe(record, kind)
+        self.metrics.in_flight.dec()
+        if record.outcome == "superseded":
+            logs.log_supersede(
+                record.turn, record.attempt, record.superseded_by, self.config.server.log_format
+            )
+        logs.log_request(record, self.config.server.log_format)
+
+
+class ProxyEndpoint:
+    """Every path outside /_streamfence/: read the request, resolve its turn, relay it."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        rt = self.rt
+        rt.metrics.in_flight.inc()
+        raw_path = scope.get("raw_path") or scope["path"].encode()
+        path = raw_path.decode("latin-1")
+        query = scope.get("query_string", b"").decode("latin-1")
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        request_id = _request_id(headers)
+        record = Record(method=scope["method"], path=scope["path"], request_id=request_id)
+        record.dialect = dialects.detect(path)
+        own = [(REQUEST_ID_HEADER, request_id.encode())]
+        try:
+            exchange = await self._accept(path, query, headers, receive, record, own)
+        except ClientLeft:
+            record.outcome = "client_gone"
+            rt.finished(record, None)
+            return
+        except StreamfenceError as exc:
+            record.outcome, record.status, record.error = "rejected", exc.status, exc.code
+            start, body = error_response_parts(exc, record.dialect, own)
+            await send(start)
+            await send(body)
+            rt.finished(record, None)
+            return
+        assert rt.client is not None
+        relay = Relay(exchange, rt.client, rt.registry, record, rt.finished)
+        await relay(scope, receive, send)
+
+    async def _accept(
+        self,
+        path: str,
+        query: str,
+        headers: list[tuple[bytes, bytes]],
+        receive: Receive,
+        record: Record,
+        own: list[tuple[bytes, bytes]],
+    ) -> Exchange:
+        rt = self.rt
+        if path == RESERVED_PREFIX or path.startswith(RESERVED_PREFIX + "/"):
+            raise NoRoute("streamfence: no such endpoint under /_streamfence/")
+        if not rt.authorized(headers):
+            raise Unauthorized(
+                "streamfence: this proxy needs its access token in the x-streamfence-token header"
+            )
+        route = rt.router.route(path, query)
+        up = route.upstream
+        record.upstream = up.name
+        record.dialect = dialects.detect(route.path, up.dialect)
+        body = await _read_body(receive, headers, rt.config.server.max_body_bytes)
+        turn = turns.resolve(
+            headers,
+            query,
+            body,
+            header_name=rt.turn_header,
+            route=up.name,
+            path=route.path,
+            use_fingerprint=up.fingerprint,
+            ignore_fields=rt.config.turns.ignore_fields,
+        )
+        if turn is not None:
+            record.turn = turn.short
+        assert rt.client is not None
+        out_headers = request_headers(headers, rt.drop_headers)
+        if not any(n == REQUEST_ID_HEADER for n, _ in out_headers):
+            out_headers.append((REQUEST_ID_HEADER, record.request_id.encode()))
+        request = rt.client.build_request(
+            record.method,
+            route.url,
+            headers=out_headers,
+            content=body,
+            timeout=timeout_for(up),
+        )
+        return Exchange(
+            request=request,
+            upstream_name=up.name,
+            dialect=record.dialect,
+            turn=turn,
+            max_event_bytes=up.max_event_bytes,
+            extra_headers=own,
+        )
+
+
+def _request_id(headers: list[tuple[bytes, bytes]]) -> str:
+    for name, value in headers:
+        if name == REQUEST_ID_HEADER and 0 < len(value) <= 128 and value.isascii():
+            text = value.decode()
+            if text.isprintable():
+                return text
+    return uuid.uuid4().hex
+
+
+async def _read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
+    for name, value in headers:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            raise BodyTooLarge(f"streamfence: the request body is over the {limit}-byte limit")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientLeft
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"streamfence: the request body is over the {limit}-byte limit")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def create_app(
+    config: Config,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    registry: Registry | None = None,
+) -> Starlette:
+    runtime = Runtime(config, registry or _make_registry(config))
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        runtime.client = create_client(transport)
+        await runtime.registry.start()
+        try:
+            yield
+        finally:
+            await runtime.client.aclose()
+            await runtime.registry.close()
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request) -> Response:
+        ok = runtime.client is not None and await runtime.registry.ready()
+        return JSONResponse({"status": "ready" if ok else "not ready"}, 200 if ok else 503)
+
+    async def metrics(request: Request) -> Response:
+        if not runtime.authorized(request.scope["headers"]):
+            return PlainTextResponse("access token required\n", 401)
+        return Response(runtime.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    own_routes = [
+        Route("/healthz", healthz),
+        Route("/readyz", readyz),
+        Route("/metrics", metrics),
+    ]
+    app = Starlette(
+        routes=[Mount(RESERVED_PREFIX, routes=own_routes), Route("/{path:path}", ProxyEndpoint(runtime))],
+        lifespan=lifespan,
+    )
+    app.state.runtime = runtime
+    return app
+
+
+def _make_registry(config: Config) -> Registry:
+    if config.registry.backend == "redis":
+        from proxy.registry.redis import RedisRegistry  # noqa: PLC0415 - optional backend
+
+        return RedisRegistry(config.registry)
+    return MemoryRegistry()

@@ -1,0 +1,141 @@
+"""The `streamfence` command: run the proxy, run the demo, or check a config file."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from proxy import __version__
+from proxy.config import Config, ConfigError, load
+
+COMMANDS = ("run", "demo", "check-config")
+
+
+def _run_parser(prog: str = "streamfence") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="A local proxy that fences superseded LLM streaming attempts.",
+        epilog="Commands: run (default), demo, check-config FILE.",
+    )
+    p.add_argument("--upstream", metavar="URL", help="forward every path to URL + path")
+    p.add_argument("--config", metavar="FILE", help="a TOML file (see config.example.toml)")
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default 8787)")
+    p.add_argument("--workers", type=int, help="uvicorn workers (needs the redis registry)")
+    p.add_argument("--registry-url", metavar="URL", help="use the redis registry at URL")
+    p.add_argument("--access-token", help="callers must send it as x-streamfence-token")
+    p.add_argument("--log-format", choices=("json", "text"), help="request log format")
+    p.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    p.add_argument("--version", action="version", version=f"streamfence {__version__}")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    overrides: dict[str, Any] = {
+        "upstream.url": args.upstream,
+        "server.host": args.host,
+        "server.port": args.port,
+        "server.workers": args.workers,
+        "server.access_token": args.access_token,
+        "server.log_format": args.log_format,
+    }
+    if args.registry_url:
+        overrides["registry.backend"] = "redis"
+        overrides["registry.url"] = args.registry_url
+    return load(args.config, overrides=overrides)
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("streamfence")
+    logger.handlers[:] = [handler]
+    logger.setLevel(level.upper())
+    logger.propagate = False
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def startup_lines(config: Config) -> list[str]:
+    s = config.server
+    lines = [f"streamfence {__version__} listening on http://{s.host}:{s.port}"]
+    for up in config.upstream:
+        lines.append(f"  upstream {up.name!r}: {up.prefix} -> {up.url} (dialect {up.dialect})")
+    reg = config.registry
+    where = f" at {reg.url.split('@')[-1]}" if reg.backend == "redis" else ""
+    lines.append(f"  registry: {reg.backend}{where}")
+    if not _is_loopback(s.host) and not s.access_token:
+        lines.append(
+            f"WARNING: listening on {s.host}, which is not a loopback address, with no access "
+            "token: anyone who can reach this port can use your upstream credentials' "
+            "turns. Set [server] access_token or --access-token."
+        )
+    return lines
+
+
+def serve(config: Config, log_level: str) -> int:
+    import uvicorn  # noqa: PLC0415 - keep `--help` and check-config fast
+
+    from proxy.app import create_app  # noqa: PLC0415
+
+    setup_logging(log_level)
+    for line in startup_lines(config):
+        print(line, file=sys.stderr, flush=True)
+    uvicorn.run(
+        create_app(config),
+        host=config.server.host,
+        port=config.server.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=False,
+        log_level="warning",
+        server_header=False,  # the upstream's own date and server headers pass through
+        date_header=False,
+        timeout_graceful_shutdown=int(config.server.shutdown_grace) or None,
+    )
+    return 0
+
+
+def check_config(argv: Sequence[str]) -> int:
+    if len(argv) != 1:
+        print("usage: streamfence check-config FILE", file=sys.stderr)
+        return 2
+    try:
+        config = load(argv[0], env={})
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 1
+    print(f"{argv[0]}: ok, {len(config.upstream)} upstream(s)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv.pop(0) if argv and argv[0] in COMMANDS else "run"
+    if command == "check-config":
+        return check_config(argv)
+    if command == "demo":
+        from proxy.demo import run_demo  # noqa: PLC0415
+
+        return run_demo(argv)
+    args = _run_parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"streamfence: config error: {problem}", file=sys.stderr)
+        return 2
+    return serve(config, args.log_level)

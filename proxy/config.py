@@ -1,0 +1,264 @@
+"""The configuration schema of CONTRACT section 7: TOML file, then environment, then flags.
+
+Every key has a default here; `config.example.toml` documents each one and a test keeps the
+two in sync. Errors name the key path (`upstream[1].url: ...`) and are all reported at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+from urllib.parse import urlsplit
+
+from proxy.dialects import DIALECTS
+
+ENV_PREFIX = "STREAMFENCE_"
+
+
+class ConfigError(Exception):
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8787
+    access_token: str = ""
+    max_body_bytes: int = 32 * 1024 * 1024
+    shutdown_grace: float = 10.0
+    log_format: str = "json"
+    workers: int = 1
+
+
+@dataclass(frozen=True)
+class TurnsConfig:
+    header: str = "X-Turn-Id"
+    ignore_fields: tuple[str, ...] = ("stream", "stream_options", "timeout")
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    backend: str = "memory"
+    url: str = "redis://127.0.0.1:6379/0"
+    on_unavailable: str = "fail_open"
+    lease_ttl: float = 3600.0
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    url: str = ""
+    name: str = "default"
+    prefix: str = "/"
+    dialect: str = "auto"
+    fingerprint: bool = True
+    on_retry: str = "supersede"
+    connect_timeout: float = 10.0
+    idle_timeout: float = 600.0
+    max_event_bytes: int = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    turns: TurnsConfig = field(default_factory=TurnsConfig)
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
+    upstream: tuple[UpstreamConfig, ...] = ()
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "server.log_format": ("json", "text"),
+    "registry.backend": ("memory", "redis"),
+    "registry.on_unavailable": ("fail_open", "fail_closed"),
+    "upstream.dialect": ("auto", *DIALECTS),
+    "upstream.on_retry": ("supersede", "join", "adaptive"),
+}
+
+
+def load(
+    path: str | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build a Config: file, then `STREAMFENCE_*` environment, then `overrides` (CLI flags).
+
+    `overrides` uses dotted key paths ("server.port"), plus "upstream.url" as a shorthand
+    for one upstream at prefix "/".
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = _read_toml(path)
+    env = os.environ if env is None else env
+    _apply(data, _from_env(env))
+    _apply(data, dict(overrides or {}))
+    return from_dict(data)
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read: {exc.strerror}"]) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{path}: not valid TOML: {exc}"]) from exc
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        parts = name[len(ENV_PREFIX) :].lower().split("_", 1)
+        if len(parts) != 2:
+            continue
+        section, rest = parts
+        if section == "upstream":
+            index, _, key = rest.partition("_")
+            out[f"upstream.{index}.{key}" if index.isdigit() else f"upstream.{rest}"] = value
+        elif section in ("server", "turns", "registry"):
+            out[f"{section}.{rest}"] = value
+    return out
+
+
+def _apply(data: dict[str, Any], flat: Mapping[str, Any]) -> None:
+    for dotted, value in flat.items():
+        if value is None:
+            continue
+        parts = dotted.split(".")
+        if parts[0] == "upstream":
+            upstreams = data.setdefault("upstream", [])
+            if len(parts) == 2:  # the single-upstream shorthand
+                if not upstreams:
+                    upstreams.append({})
+                upstreams[0][parts[1]] = value
+                continue
+            index = int(parts[1])
+            while len(upstreams) <= index:
+                upstreams.append({})
+            upstreams[index][parts[2]] = value
+            continue
+        data.setdefault(parts[0], {})[parts[1]] = value
+
+
+def from_dict(data: Mapping[str, Any]) -> Config:
+    problems: list[str] = []
+    unknown = set(data) - {f.name for f in dataclasses.fields(Config)}
+    problems += [f"{key}: unknown section" for key in sorted(unknown)]
+    server = _build(ServerConfig, data.get("server", {}), "server", problems)
+    turns = _build(TurnsConfig, data.get("turns", {}), "turns", problems)
+    registry = _build(RegistryConfig, data.get("registry", {}), "registry", problems)
+    raw_upstreams = data.get("upstream", [])
+    if not isinstance(raw_upstreams, list):
+        problems.append("upstream: must be an array of tables ([[upstream]])")
+        raw_upstreams = []
+    upstreams = tuple(
+        _build(UpstreamConfig, raw, f"upstream[{i}]", problems)
+        for i, raw in enumerate(raw_upstreams)
+    )
+    config = Config(server=server, turns=turns, registry=registry, upstream=upstreams)
+    problems += _check(config)
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _build(cls: type[Any], raw: Any, path: str, problems: list[str]) -> Any:
+    if not isinstance(raw, Mapping):
+        problems.append(f"{path}: must be a table")
+        return cls()
+    hints = get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in hints:
+            problems.append(f"{path}.{key}: unknown key")
+            continue
+        try:
+            values[key] = _coerce(value, hints[key])
+        except (TypeError, ValueError) as exc:
+            problems.append(f"{path}.{key}: {exc}")
+    section = path.split("[")[0]
+    for key, value in values.items():
+        choices = _CHOICES.get(f"{section}.{key}")
+        if choices and value not in choices:
+            problems.append(f"{path}.{key}: must be one of {', '.join(choices)}, not {value!r}")
+    return cls(**values)
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+    # Environment and flags give strings; TOML gives typed values. Accept both.
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise TypeError(f"must be true or false, not {value!r}")
+    if hint is int or hint is float:
+        if isinstance(value, bool):
+            raise TypeError(f"must be a number, not {value!r}")
+        try:
+            return hint(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"must be a number, not {value!r}") from None
+    if hint is str:
+        if not isinstance(value, str):
+            raise TypeError(f"must be a string, not {value!r}")
+        return value
+    # tuple[str, ...]
+    if isinstance(value, str):
+        return tuple(v.strip() for v in value.split(",") if v.strip())
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise TypeError(f"must be a list of strings, not {value!r}")
+
+
+def _check(config: Config) -> list[str]:
+    problems: list[str] = []
+    if not 0 <= config.server.port <= 65535:
+        problems.append("server.port: must be between 0 and 65535")
+    if config.server.workers < 1:
+        problems.append("server.workers: must be at least 1")
+    if config.server.workers > 1 and config.registry.backend == "memory":
+        problems.append(
+            "server.workers: several workers need a shared registry; the in-memory one lives "
+            "in one process, so a retry landing on another worker would fence nothing. "
+            'Set [registry] backend = "redis"'
+        )
+    if config.server.max_body_bytes < 1:
+        problems.append("server.max_body_bytes: must be positive")
+    if not config.turns.header.strip():
+        problems.append("turns.header: must not be empty")
+    if not config.upstream:
+        problems.append("upstream: at least one upstream is needed (--upstream URL)")
+    seen: set[str] = set()
+    for i, up in enumerate(config.upstream):
+        where = f"upstream[{i}]"
+        parts = urlsplit(up.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            problems.append(f"{where}.url: must be an http:// or https:// URL, not {up.url!r}")
+        if not up.prefix.startswith("/"):
+            problems.append(f"{where}.prefix: must start with '/', not {up.prefix!r}")
+        if up.prefix.startswith("/_streamfence"):
+            problems.append(f"{where}.prefix: /_streamfence/ is reserved for the proxy itself")
+        if up.prefix in seen:
+            problems.append(f"{where}.prefix: {up.prefix!r} is used by another upstream")
+        seen.add(up.prefix)
+        if up.idle_timeout <= 0 or up.connect_timeout <= 0:
+            problems.append(f"{where}: timeouts must be positive")
+    return problems
+
+
+def defaults_as_dict() -> dict[str, Any]:
+    """Every key and its default, for the example-file sync test and `check-config`."""
+    return {
+        "server": dataclasses.asdict(ServerConfig()),
+        "turns": dataclasses.asdict(TurnsConfig()),
+        "registry": dataclasses.asdict(RegistryConfig()),
+        "upstream": dataclasses.asdict(UpstreamConfig()),
+    }

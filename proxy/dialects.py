@@ -1,0 +1,116 @@
+"""What each provider's clients understand: how to tell them a stream was superseded or
+failed mid-way, and what an error body looks like before any header was sent.
+
+The frames follow CONTRACT section 4: never a success terminator, always something the
+official SDKs raise on. Pure and I/O-free.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Final
+
+from proxy.errors import StreamfenceError
+from proxy.sse import encode_event, parse_fields
+
+OPENAI_CHAT: Final = "openai-chat"
+OPENAI_RESPONSES: Final = "openai-responses"
+ANTHROPIC: Final = "anthropic"
+GEMINI: Final = "gemini"
+SSE: Final = "sse"
+DIALECTS: Final = (OPENAI_CHAT, OPENAI_RESPONSES, ANTHROPIC, GEMINI, SSE)
+
+# Google's canonical status names, for Gemini-shaped errors.
+_GOOGLE_STATUS: Final = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    404: "NOT_FOUND",
+    409: "ABORTED",
+    413: "INVALID_ARGUMENT",
+    502: "UNAVAILABLE",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}
+
+# Chunk fields copied from the last relayed chunk, so the frame looks like its stream.
+_CHAT_FIELDS: Final = ("id", "object", "created", "model", "system_fingerprint")
+
+
+def detect(path: str, configured: str = "auto") -> str:
+    """The dialect of a request: the configured one, else guessed from the path."""
+    if configured != "auto":
+        return configured
+    if ":streamGenerateContent" in path or ":generateContent" in path:
+        return GEMINI
+    if path.endswith("/completions"):
+        return OPENAI_CHAT
+    if path.endswith("/responses") or "/responses/" in path:
+        return OPENAI_RESPONSES
+    if path.endswith("/messages"):
+        return ANTHROPIC
+    return SSE
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def _last_json(last_event: bytes | None) -> dict[str, Any]:
+    if not last_event:
+        return {}
+    data = parse_fields(last_event).get("data", "")
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def stream_error_frame(dialect: str, error: StreamfenceError, last_event: bytes | None) -> bytes:
+    """The final event of a stream that ends with `error` (superseded, upstream failure).
+
+    `last_event` is the raw last event the client received; parsed only here, never on
+    the hot path, to make the frame fit the stream (chunk id, sequence number).
+    """
+    code, message = error.code, error.message
+    if dialect == OPENAI_CHAT:
+        last = _last_json(last_event)
+        chunk = {k: last[k] for k in _CHAT_FIELDS if k in last}
+        chunk.setdefault("object", "chat.completion.chunk")
+        err = {"type": code, "code": code, "message": message}
+        return encode_event(_dumps({**chunk, "choices": [], "error": err}))
+    if dialect == OPENAI_RESPONSES:
+        seq = _last_json(last_event).get("sequence_number")
+        err = {"type": code, "code": code, "message": message, "param": None}
+        frame = {
+            "type": "error",
+            "code": code,
+            "message": message,
+            "param": None,
+            "sequence_number": seq + 1 if isinstance(seq, int) else 0,
+            "error": err,
+        }
+        return encode_event(_dumps(frame), event="error")
+    if dialect == ANTHROPIC:
+        return encode_event(
+            _dumps({"type": "error", "error": {"type": code, "message": message}}), event="error"
+        )
+    return encode_event(_dumps(_google_error(error)), event="error")
+
+
+def _google_error(error: StreamfenceError) -> dict[str, Any]:
+    status = _GOOGLE_STATUS.get(error.status, "INTERNAL")
+    return {"error": {"code": error.status, "status": status, "message": error.message}}
+
+
+def error_body(dialect: str, error: StreamfenceError) -> bytes:
+    """The JSON body of an HTTP error response, in the shape the caller's SDK parses."""
+    code, message = error.code, error.message
+    body: dict[str, Any]
+    if dialect == ANTHROPIC:
+        body = {"type": "error", "error": {"type": code, "message": message}}
+    elif dialect == GEMINI:
+        body = _google_error(error)
+    else:
+        body = {"error": {"message": message, "type": code, "param": None, "code": code}}
+    return _dumps(body).encode()

@@ -1,0 +1,108 @@
+"""The project's exception tree.
+
+Third-party exceptions (httpx, redis) are translated into these at one boundary each
+(`proxy.upstream` and `proxy.registry.redis`); `proxy.app` turns them into responses in
+one place, in the caller's dialect.
+
+    StreamfenceError             status  code
+    ├── BadRequest                 400   bad_request       (invalid X-Turn-Id, ...)
+    ├── Unauthorized               401   unauthorized      (missing/wrong access token)
+    ├── NoRoute                    404   no_route          (path matches no upstream)
+    ├── BodyTooLarge               413   body_too_large
+    ├── Superseded                 409   stream_superseded (a newer attempt of the turn won)
+    ├── RegistryUnavailable        503   registry_unavailable (fail_closed only)
+    ├── ShuttingDown               503   shutting_down
+    └── UpstreamError              502   upstream_error
+        ├── UpstreamConnectError   502   upstream_unreachable
+        ├── UpstreamTimeout        504   upstream_timeout
+        └── MalformedStream        502   malformed_stream
+"""
+
+from __future__ import annotations
+
+
+class StreamfenceError(Exception):
+    status: int = 500
+    code: str = "internal_error"
+    # The official SDKs retry 408/409/429/5xx unless told not to; only errors that a
+    # retry could fix leave it to them.
+    retryable: bool = False
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(StreamfenceError):
+    status = 400
+    code = "bad_request"
+
+
+class Unauthorized(StreamfenceError):
+    status = 401
+    code = "unauthorized"
+
+
+class NoRoute(StreamfenceError):
+    status = 404
+    code = "no_route"
+
+
+class BodyTooLarge(StreamfenceError):
+    status = 413
+    code = "body_too_large"
+
+
+class Superseded(StreamfenceError):
+    status = 409
+    code = "stream_superseded"
+
+    def __init__(self, attempt: int, newer: int | None = None) -> None:
+        super().__init__(superseded_message(attempt, newer))
+        self.attempt = attempt
+
+
+class RegistryUnavailable(StreamfenceError):
+    status = 503
+    code = "registry_unavailable"
+    retryable = True
+
+
+class ShuttingDown(StreamfenceError):
+    status = 503
+    code = "shutting_down"
+    retryable = True
+
+
+class UpstreamError(StreamfenceError):
+    status = 502
+    code = "upstream_error"
+    retryable = True
+    kind = "protocol"  # a metrics label: which fault it was
+
+
+class UpstreamConnectError(UpstreamError):
+    code = "upstream_unreachable"
+    kind = "connect"
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    code = "upstream_timeout"
+    kind = "timeout"
+
+
+class MalformedStream(UpstreamError):
+    code = "malformed_stream"
+    kind = "malformed"
+    retryable = False
+
+
+def superseded_message(attempt: int, newer: int | None = None) -> str:
+    # Plain words, and none that agents read as a transient network fault
+    # (CONTRACT section 4): a retry here would fence the winner.
+    by = f"attempt {newer}" if newer else "a newer attempt"
+    return (
+        f"streamfence: attempt {attempt} of this turn was superseded by {by} of the same "
+        "turn, which is now the only one delivering the answer. Do not retry this request."
+    )

@@ -1,0 +1,90 @@
+"""The one log line per finished request, and the record it is made from.
+
+Never a credential or a body: the record has no field that could hold one. Turn keys are
+already hashes; only their first 16 hex digits are shown.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+logger = logging.getLogger("streamfence")
+
+
+@dataclass(slots=True)
+class Record:
+    method: str
+    path: str
+    upstream: str = "-"
+    dialect: str = "-"
+    request_id: str = ""
+    turn: str = ""  # short hashed turn key, "" when the request has none
+    attempt: int = 0
+    status: int = 0
+    outcome: str = "pending"  # completed | superseded | client_gone | upstream_error | rejected
+    error: str = ""  # an errors.* code when the request failed
+    streaming: bool = False
+    bytes_out: int = 0
+    events: int = 0
+    dropped: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    forwarded_at: float | None = None
+    upstream_headers_at: float | None = None
+    first_byte_at: float | None = None
+    finished_at: float | None = None
+    superseded_by: int | None = None
+    fence_latency: float | None = None  # newer claim -> old upstream closed, seconds
+
+    @property
+    def duration(self) -> float:
+        return (self.finished_at or time.perf_counter()) - self.started
+
+    @property
+    def added_ttfb(self) -> float | None:
+        """What the proxy itself added to the time to first byte."""
+        if None in (self.forwarded_at, self.upstream_headers_at, self.first_byte_at):
+            return None
+        before = self.forwarded_at - self.started  # type: ignore[operator]
+        after = self.first_byte_at - self.upstream_headers_at  # type: ignore[operator]
+        return before + after
+
+    @property
+    def ttfb(self) -> float | None:
+        return None if self.first_byte_at is None else self.first_byte_at - self.started
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
+
+
+def line(record: Record, fmt: str = "json") -> str:
+    data = asdict(record)
+    for key in ("started", "forwarded_at", "upstream_headers_at", "first_byte_at", "finished_at", "fence_latency"):
+        data.pop(key)
+    data.update(
+        ttfb_ms=_ms(record.ttfb),
+        duration_ms=_ms(record.duration),
+        fence_latency_ms=_ms(record.fence_latency),
+    )
+    if fmt == "text":
+        shown = {k: v for k, v in data.items() if v not in (None, "", 0, False)}
+        return " ".join(f"{k}={v}" for k, v in shown.items())
+    return json.dumps({"ts": round(time.time(), 3), "msg": "request", **data})
+
+
+def log_request(record: Record, fmt: str = "json") -> None:
+    if logger.isEnabledFor(logging.INFO):
+        logger.info(line(record, fmt))
+
+
+def log_supersede(turn: str, old_attempt: int, new_attempt: int | None, fmt: str = "json") -> None:
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    data = {"msg": "superseded", "turn": turn, "attempt": old_attempt, "by_attempt": new_attempt}
+    if fmt == "text":
+        logger.info(" ".join(f"{k}={v}" for k, v in data.items()))
+    else:
+        logger.info(json.dumps({"ts": round(time.time(), 3), **data}))

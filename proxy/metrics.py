@@ -1,0 +1,71 @@
+"""Prometheus metrics. Labels carry upstream names, dialects, outcomes and error kinds only:
+never a credential, a turn id or a body.
+
+Each app has its own CollectorRegistry, so several apps (tests, workers) never collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from proxy.logs import Record
+
+_FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "streamfence_requests", "Finished requests", ["upstream", "dialect", "outcome"],
+            registry=r,
+        )
+        self.in_flight = Gauge("streamfence_streams_in_flight", "Requests in flight", registry=r)
+        self.supersedes = Counter(
+            "streamfence_supersedes", "Attempts fenced by a newer attempt", ["upstream"], registry=r
+        )
+        self.dropped = Counter(
+            "streamfence_events_dropped", "Upstream events the fence kept from a client",
+            ["upstream"], registry=r,
+        )
+        self.events = Counter(
+            "streamfence_events_relayed", "SSE events relayed to clients", ["upstream"], registry=r
+        )
+        self.fence_latency = Histogram(
+            "streamfence_fence_latency_seconds",
+            "From a superseding request's claim to the old upstream response closed",
+            buckets=_FAST, registry=r,
+        )
+        self.added_ttfb = Histogram(
+            "streamfence_added_ttfb_seconds",
+            "Time to first byte the proxy adds on top of the upstream's",
+            buckets=_FAST, registry=r,
+        )
+        self.upstream_errors = Counter(
+            "streamfence_upstream_errors", "Upstream failures by kind", ["upstream", "kind"],
+            registry=r,
+        )
+        self.registry_unavailable = Counter(
+            "streamfence_registry_unavailable",
+            "Requests forwarded without fencing because the registry was unreachable",
+            registry=r,
+        )
+
+    def observe(self, record: Record, error_kind: str | None = None) -> None:
+        up = record.upstream
+        self.requests.labels(up, record.dialect, record.outcome).inc()
+        if record.events:
+            self.events.labels(up).inc(record.events)
+        if record.dropped:
+            self.dropped.labels(up).inc(record.dropped)
+        if record.outcome == "superseded":
+            self.supersedes.labels(up).inc()
+        if record.fence_latency is not None:
+            self.fence_latency.observe(record.fence_latency)
+        if record.added_ttfb is not None:
+            self.added_ttfb.observe(max(0.0, record.added_ttfb))
+        if error_kind is not None:
+            self.upstream_errors.labels(up, error_kind).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,79 @@
+"""The registry interface and the lease an accepted attempt holds.
+
+A lease is claimed when the proxy accepts an attempt and released when its stream ends.
+Claiming a key supersedes its current holder: the holder's callbacks run at once, in the
+claimer's task, so the relay that owns the old attempt is cancelled without polling. The
+per-event check is a local attribute read, never a round trip.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+
+class Lease:
+    __slots__ = ("_callbacks", "attempt", "key", "newer_attempt", "superseded_at", "token")
+
+    def __init__(self, key: str, token: int, attempt: int) -> None:
+        self.key = key
+        self.token = token  # the fencing token: never repeats while the registry lives
+        self.attempt = attempt  # shown to callers; restarts when the key has no live attempt
+        self.superseded_at: float | None = None  # time.perf_counter() of the newer claim
+        self.newer_attempt: int | None = None
+        self._callbacks: list[Callable[[], object]] = []
+
+    @property
+    def superseded(self) -> bool:
+        return self.superseded_at is not None
+
+    def supersede(self, newer_attempt: int | None = None, at: float | None = None) -> None:
+        """Mark this lease fenced and tell its holder. Idempotent."""
+        if self.superseded_at is not None:
+            return
+        self.superseded_at = time.perf_counter() if at is None else at
+        self.newer_attempt = newer_attempt
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def on_superseded(self, callback: Callable[[], object]) -> None:
+        """Run `callback` when superseded; at once if that already happened."""
+        if self.superseded_at is not None:
+            callback()
+        else:
+            self._callbacks.append(callback)
+
+    def __repr__(self) -> str:
+        state = "superseded" if self.superseded else "current"
+        return f"Lease(key={self.key[:12]}, token={self.token}, attempt={self.attempt}, {state})"
+
+
+class Registry(ABC):
+    """Hands out fencing tokens per turn key and fences older holders."""
+
+    async def start(self) -> None:  # noqa: B027 - backends without a connection need no setup
+        """Connect and subscribe; called once from the app's lifespan."""
+
+    async def close(self) -> None:  # noqa: B027
+        """Release connections; called once from the app's lifespan."""
+
+    @abstractmethod
+    async def claim(self, key: str) -> Lease:
+        """Accept a new attempt for `key`, superseding the current holder if any."""
+
+    @abstractmethod
+    async def release(self, lease: Lease) -> None:
+        """The attempt ended. Removes the key only if `lease` still holds it."""
+
+    @staticmethod
+    def is_current(lease: Lease) -> bool:
+        return lease.superseded_at is None
+
+    @abstractmethod
+    def live_keys(self) -> int:
+        """How many keys this process holds leases for (for tests, metrics, readiness)."""
+
+    async def ready(self) -> bool:
+        return True

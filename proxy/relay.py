@@ -1,0 +1,260 @@
+"""The relay: the one place that writes to a client, and where the race lives.
+
+One task group per request races three things:
+
+    upstream events  ->  fence check  ->  client write
+    lease superseded ->  close upstream, write the dialect's superseded frame (or 409)
+    client gone      ->  close upstream
+
+The supersede signal cancels the `fence` scope directly (a callback on the lease), so a
+fenced attempt stops at its next await, and its upstream is closed, not drained, before
+anything else happens. Every exit path runs the same `finally`: upstream closed, lease
+released, one record observed. A non-SSE response is fenced only until its headers are
+sent (CONTRACT section 2): after that the upstream has done its work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+
+from proxy import dialects, upstream
+from proxy.errors import StreamfenceError, Superseded
+from proxy.logs import Record
+from proxy.registry import Lease, Registry
+from proxy.routing import response_headers
+from proxy.sse import SSESplitter
+from proxy.turns import TurnKey
+
+Message = dict[str, Any]
+Send = Callable[[Message], Awaitable[None]]
+Receive = Callable[[], Awaitable[Message]]
+
+SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+@dataclass(slots=True)
+class Exchange:
+    """Everything the relay needs to know about one accepted request."""
+
+    request: httpx.Request
+    upstream_name: str
+    dialect: str
+    turn: TurnKey | None
+    max_event_bytes: int
+    extra_headers: list[tuple[bytes, bytes]]
+
+
+def error_response_parts(
+    error: StreamfenceError, dialect: str, extra: Sequence[tuple[bytes, bytes]] = ()
+) -> tuple[Message, Message]:
+    """The two ASGI messages of an error response in the caller's dialect."""
+    body = dialects.error_body(dialect, error)
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *extra,
+    ]
+    if not error.retryable:
+        # The official SDKs retry 409 and 5xx unless told not to; a retried fenced
+        # request would fence the winner.
+        headers.append((b"x-should-retry", b"false"))
+    return (
+        {"type": "http.response.start", "status": error.status, "headers": headers},
+        {"type": "http.response.body", "body": body, "more_body": False},
+    )
+
+
+class Relay:
+    """An ASGI response: forwards one exchange and relays its answer under the fence."""
+
+    def __init__(
+        self,
+        exchange: Exchange,
+        client: httpx.AsyncClient,
+        registry: Registry | None,
+        record: Record,
+        on_finish: Callable[[Record, StreamfenceError | None], None],
+    ) -> None:
+        self.ex = exchange
+        self.client = client
+        self.registry = registry
+        self.record = record
+        self.on_finish = on_finish
+        self.lease: Lease | None = None
+        self.response: httpx.Response | None = None
+        self.headers_sent = False
+        self.completed = False
+        self.client_gone = False
+        self.error: StreamfenceError | None = None
+        self.last_event: bytes | None = None
+        self.done = False  # the response is complete: a disconnect now is not the client leaving
+
+    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+        try:
+            if self.registry is not None and self.ex.turn is not None:
+                self.lease = await self.registry.claim(self.ex.turn.key)
+                self.record.attempt = self.lease.attempt
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch_disconnect, receive, tg.cancel_scope)
+                await self._run(send)
+                self.done = True
+                tg.cancel_scope.cancel()
+            if self.client_gone:
+                self.record.outcome = "client_gone"
+            elif self.headers_sent:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._close_upstream()
+                await self._finish()
+
+    async def _watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self.done:
+            self.client_gone = True
+            scope.cancel()
+
+    async def _run(self, send: Send) -> None:
+        with anyio.CancelScope() as fence:
+            if self.lease is not None:
+                self.lease.on_superseded(fence.cancel)
+            try:
+                await self._open()
+                if self._is_sse():
+                    await self._relay_events(send)
+            except StreamfenceError as exc:
+                self.error = exc
+        if fence.cancel_called and not self.completed:
+            await self._close_upstream()  # first: the fence's promise is a closed upstream
+            assert self.lease is not None and self.lease.superseded_at is not None
+            self.record.fence_latency = time.perf_counter() - self.lease.superseded_at
+            await self._end_superseded(send)
+        elif self.error is not None:
+            await self._end_with_error(send, self.error)
+        elif not self.completed:
+            await self._pass_through(send)  # not SSE: past the fence once headers go out
+
+    async def _open(self) -> None:
+        self.record.forwarded_at = time.perf_counter()
+        self.response = await upstream.send(self.client, self.ex.request, self.ex.upstream_name)
+        self.record.upstream_headers_at = time.perf_counter()
+        self.record.status = self.response.status_code
+
+    def _is_sse(self) -> bool:
+        assert self.response is not None
+        ctype = self.response.headers.get("content-type", "")
+        return ctype.lower().startswith("text/event-stream")
+
+    async def _start(self, send: Send, *, reframed: bool) -> None:
+        assert self.response is not None
+        headers = response_headers(self.response.headers.raw, reframed=reframed)
+        headers += self._own_headers()
+        if reframed:
+            headers += SSE_HEADERS
+        await send(
+            {"type": "http.response.start", "status": self.response.status_code, "headers": headers}
+        )
+        self.headers_sent = True
+        self.record.first_byte_at = time.perf_counter()
+
+    async def _relay_events(self, send: Send) -> None:
+        assert self.response is not None
+        self.record.streaming = True
+        await self._start(send, reframed=True)
+        lease, record = self.lease, self.record
+        splitter = SSESplitter(self.ex.max_event_bytes)
+        # An encoded SSE body must be decoded to find its events; it goes out plain.
+        decode = "content-encoding" in self.response.headers
+        chunks = self.response.aiter_bytes() if decode else self.response.aiter_raw()
+        with upstream.translate_errors(self.ex.upstream_name):
+            async for chunk in chunks:
+                events = splitter.feed(chunk)
+                if events:
+                    # The fence check. Nothing awaits between it and the write, so it holds
+                    # for every event of the batch: one write, all checked at one instant.
+                    if lease is not None and lease.superseded_at is not None:
+                        record.dropped += len(events)
+                        return
+                    await self._write(send, events)
+                if splitter.error is not None:
+                    raise splitter.error
+        tail = splitter.flush()
+        if tail and (lease is None or lease.superseded_at is None):
+            await self._write(send, tail)
+        if splitter.error is not None:
+            raise splitter.error
+        self.completed = True
+
+    async def _write(self, send: Send, events: list[bytes]) -> None:
+        body = events[0] if len(events) == 1 else b"".join(events)
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        self.record.events += len(events)
+        self.record.bytes_out += len(body)
+        self.last_event = events[-1]
+
+    async def _pass_through(self, send: Send) -> None:
+        assert self.response is not None
+        await self._start(send, reframed=False)
+        with upstream.translate_errors(self.ex.upstream_name):
+            async for chunk in self.response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                self.record.bytes_out += len(chunk)
+        self.completed = True
+
+    async def _end_superseded(self, send: Send) -> None:
+        assert self.lease is not None
+        error = Superseded(self.lease.attempt, self.lease.newer_attempt)
+        self.record.outcome = "superseded"
+        self.record.superseded_by = self.lease.newer_attempt
+        await self._end_with_error(send, error)
+
+    async def _end_with_error(self, send: Send, error: StreamfenceError) -> None:
+        self.record.error = error.code
+        if self.headers_sent:
+            frame = dialects.stream_error_frame(self.ex.dialect, error, self.last_event)
+            await send({"type": "http.response.body", "body": frame, "more_body": True})
+            return
+        start, body = error_response_parts(error, self.ex.dialect, self._own_headers())
+        self.record.status = error.status
+        await send(start)
+        self.headers_sent = True
+        self.record.first_byte_at = time.perf_counter()
+        await send(body)
+        self.headers_sent = False  # the body above already ended the response
+
+    def _own_headers(self) -> list[tuple[bytes, bytes]]:
+        """What the caller is told about its turn: the hashed key and the attempt number."""
+        headers = list(self.ex.extra_headers)
+        if self.ex.turn is not None:
+            headers.append((b"x-streamfence-turn", self.ex.turn.short.encode()))
+        if self.lease is not None:
+            headers.append((b"x-streamfence-attempt", str(self.lease.attempt).encode()))
+        return headers
+
+    async def _close_upstream(self) -> None:
+        # Closing an unfinished httpx response closes its connection: nothing is drained.
+        if self.response is not None:
+            with anyio.CancelScope(shield=True):
+                await self.response.aclose()
+            self.response = None
+
+    async def _finish(self) -> None:
+        record = self.record
+        if record.outcome == "pending":
+            if self.completed:
+                record.outcome = "completed"
+            elif self.error is not None:
+                record.outcome = "upstream_error"
+            else:
+                record.outcome = "client_gone"
+        record.finished_at = time.perf_counter()
+        if self.lease is not None and self.registry is not None:
+            await self.registry.release(self.lease)
+        self.on_finish(record, self.error)

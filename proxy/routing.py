@@ -1,0 +1,100 @@
+"""Which upstream a request goes to, and which headers cross the proxy.
+
+Routing uses the request path alone: neither `Host` nor an absolute-form target ever picks
+the destination, so the proxy only reaches the upstreams in its config (no open proxy, no
+SSRF). Pure and I/O-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from proxy.config import UpstreamConfig
+from proxy.errors import BadRequest, NoRoute
+
+RESERVED_PREFIX = "/_streamfence"
+
+# RFC 9110 section 7.6.1, plus the de-facto ones proxies also drop.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+# Set by the HTTP client for the upstream hop itself.
+_REQUEST_OWN = frozenset({b"host", b"content-length"})
+
+Headers = list[tuple[bytes, bytes]]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    upstream: UpstreamConfig
+    path: str  # the upstream-side path, prefix stripped, still percent-encoded
+    url: str
+
+
+class Router:
+    def __init__(self, upstreams: Sequence[UpstreamConfig]) -> None:
+        # Longest prefix first, so the first match is the most specific.
+        self._upstreams = sorted(upstreams, key=lambda u: len(u.prefix.rstrip("/")), reverse=True)
+
+    def route(self, raw_path: str, query: str) -> Route:
+        if "/../" in raw_path + "/" or "/./" in raw_path + "/":
+            raise BadRequest("streamfence: the request path must not contain dot segments")
+        for upstream in self._upstreams:
+            rest = _strip_prefix(upstream.prefix, raw_path)
+            if rest is not None:
+                return Route(upstream, rest, build_url(upstream.url, rest, query))
+        raise NoRoute(f"streamfence: no upstream is configured for the path {raw_path!r}")
+
+
+def _strip_prefix(prefix: str, path: str) -> str | None:
+    prefix = prefix.rstrip("/")
+    if not prefix:
+        return path
+    if path == prefix:
+        return "/"
+    if path.startswith(prefix + "/"):
+        return path[len(prefix) :]
+    return None
+
+
+def build_url(base: str, path: str, query: str) -> str:
+    url = base.rstrip("/") + path
+    return f"{url}?{query}" if query else url
+
+
+def _connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
+    tokens: set[bytes] = set()
+    for name, value in headers:
+        if name == b"connection":
+            tokens.update(t.strip().lower() for t in value.split(b","))
+    return tokens
+
+
+def request_headers(headers: Headers, drop: Iterable[bytes] = ()) -> Headers:
+    """The client's headers as they go upstream (names are lower-case, as ASGI gives them)."""
+    dropped = HOP_BY_HOP | _REQUEST_OWN | _connection_tokens(headers) | set(drop)
+    return [(n, v) for n, v in headers if n not in dropped]
+
+
+def response_headers(headers: Headers, *, reframed: bool) -> Headers:
+    """The upstream's headers as they go back to the client.
+
+    When the proxy re-frames the body (SSE: it may end the stream with its own frame), the
+    upstream's length and encoding no longer describe what the client gets.
+    """
+    dropped = HOP_BY_HOP | _connection_tokens(headers)
+    if reframed:
+        dropped = dropped | {b"content-length", b"content-encoding"}
+    return [(n, v) for n, v in headers if n not in dropped]

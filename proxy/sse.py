@@ -1,0 +1,125 @@
+"""Incremental splitting of a raw SSE byte stream into whole events.
+
+The relay never re-encodes what the upstream sent: each event keeps its original bytes,
+terminators, comments and unknown fields included. The splitter only finds where one
+event ends (a blank line, in any of the three line-ending styles of the SSE spec), so that
+the relay writes whole events and can put its own frame between two of them.
+
+Pure and I/O-free.
+"""
+
+from __future__ import annotations
+
+import re
+
+from proxy.errors import MalformedStream
+
+# A line terminator followed by a second one ends an event. A bare "\r" only counts as
+# a terminator when no "\n" follows it, or "\r\n" would be read as two line endings.
+_BOUNDARY = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+DEFAULT_MAX_EVENT_BYTES = 1 << 20
+
+
+class SSESplitter:
+    """Feed raw chunks, get complete events back.
+
+    `error` is set when the stream turned out malformed (an event over the size limit,
+    bytes that are not UTF-8); the events returned before it are good and may be relayed.
+    """
+
+    __slots__ = ("_buf", "_max", "error")
+
+    def __init__(self, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
+        self._buf = b""
+        self._max = max_event_bytes
+        self.error: MalformedStream | None = None
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        if self.error is not None:
+            return []
+        buf = self._buf + chunk if self._buf else chunk
+        if b"\r" in buf:
+            events, rest = _split_general(buf)
+        else:
+            events, rest = _split_lf(buf)
+        self._buf = rest
+        if len(rest) > self._max:
+            self.error = MalformedStream(
+                f"the upstream sent an SSE event over the {self._max}-byte limit"
+            )
+        return self._validated(events)
+
+    def flush(self) -> list[bytes]:
+        """At end of stream: an unterminated last event is completed, not lost."""
+        rest, self._buf = self._buf, b""
+        if self.error is not None or not rest.strip(b"\r\n"):
+            return []
+        return self._validated([rest + b"\n\n"])
+
+    def _validated(self, events: list[bytes]) -> list[bytes]:
+        if not events:
+            return events
+        try:
+            b"".join(events).decode("utf-8")
+            return events
+        except UnicodeDecodeError:
+            pass
+        for i, event in enumerate(events):
+            try:
+                event.decode("utf-8")
+            except UnicodeDecodeError:
+                self.error = MalformedStream("the upstream sent an SSE event that is not UTF-8")
+                self._buf = b""
+                return events[:i]
+        return events  # pragma: no cover - the joined check failed, so one event must
+
+
+def _split_lf(buf: bytes) -> tuple[list[bytes], bytes]:
+    # The common case (no "\r" anywhere): one C-level split, no regex.
+    end = buf.rfind(b"\n\n")
+    if end < 0:
+        return [], buf
+    parts = buf[:end].split(b"\n\n")
+    return [p + b"\n\n" for p in parts], buf[end + 2 :]
+
+
+def _split_general(buf: bytes) -> tuple[list[bytes], bytes]:
+    # A trailing "\r" may be the first half of "\r\n": wait for the next byte.
+    limit = len(buf) - 1 if buf.endswith(b"\r") else len(buf)
+    events: list[bytes] = []
+    start = 0
+    for match in _BOUNDARY.finditer(buf, 0, limit):
+        events.append(buf[start : match.end()])
+        start = match.end()
+    return events, buf[start:]
+
+
+def parse_fields(event: bytes) -> dict[str, str]:
+    """The `event` and `data` fields of one raw event (data lines joined by "\\n").
+
+    Used off the hot path only: to build a superseded frame that matches the stream, and
+    in tests. Comments and other fields are ignored, as a client would.
+    """
+    fields: dict[str, str] = {}
+    data: list[str] = []
+    for line in _LINE_END.split(event.decode("utf-8", errors="replace")):
+        if not line or line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if name == "data":
+            data.append(value)
+        elif name in ("event", "id"):
+            fields[name] = value
+    if data:
+        fields["data"] = "\n".join(data)
+    return fields
+
+
+def encode_event(data: str, event: str | None = None) -> bytes:
+    """One SSE event in the plainest form every client parses."""
+    head = f"event: {event}\n" if event else ""
+    body = "".join(f"data: {line}\n" for line in data.split("\n"))
+    return (head + body + "\n").encode()

@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.app import Runtime, create_app
+from proxy.config import load
+from tests.upstream import ScriptedUpstream, serve
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if inspect.iscoroutinefunction(getattr(item, "function", None)):
+            item.add_marker(pytest.mark.anyio)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[ScriptedUpstream]:
+    scripted = ScriptedUpstream()
+    async with serve(scripted) as (url, _server):
+        scripted.url = url
+        yield scripted
+
+
+@dataclass
+class Proxy:
+    url: str
+    runtime: Runtime
+
+    def client(self, **kw: Any) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, timeout=10, **kw)
+
+
+ProxyFactory = Callable[..., AbstractAsyncContextManager[Proxy]]
+
+
+@pytest.fixture
+def make_proxy() -> ProxyFactory:
+    @asynccontextmanager
+    async def start(upstream_url: str, **overrides: Any) -> AsyncIterator[Proxy]:
+        flat = {"upstream.url": upstream_url, **overrides}
+        app = create_app(load(env={}, overrides=flat), **flat.pop("_app", {}))
+        async with serve(app) as (url, _server):
+            yield Proxy(url, app.state.runtime)
+
+    return start
+
+
+@pytest.fixture
+async def proxy(upstream: ScriptedUpstream, make_proxy: ProxyFactory) -> AsyncIterator[Proxy]:
+    async with make_proxy(upstream.url) as p:
+        yield p

@@ -1,0 +1,292 @@
+"""A scripted upstream provider: a real HTTP server on 127.0.0.1, port 0.
+
+Each request's behaviour comes from a `Script`: by default from the JSON body's "script"
+object (clients pass it with `extra_body`), else from `ScriptedUpstream.default`. Every
+request is recorded as a `Seen`, with events a test can wait on: `gate` holds the stream
+between events until the test releases it, and `closed` is set the moment the server sees
+its client (the proxy) go away, with `events_sent` telling how far it got.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+
+Scope = dict[str, Any]
+
+
+@dataclass
+class Script:
+    tokens: int | list[str] = 3
+    delay: float = 0.0  # seconds between events
+    gated: bool = False  # wait for Seen.release() before each event after the first
+    hold_headers: bool = False  # wait for Seen.release() before sending headers
+    status: int = 200
+    stream: bool | None = None  # None: from the request body's "stream"
+    fail_after: int | None = None  # break the connection after this many events
+    raw: list[str] | None = None  # exact SSE text to send instead of generated events
+    raw_bytes: list[bytes] | None = None
+    prefix: str = ""  # token prefix, so two attempts' texts are told apart
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> Script | None:
+        raw = body.get("script")
+        if not isinstance(raw, dict):
+            return None
+        return cls(**raw)
+
+    def token_list(self) -> list[str]:
+        if isinstance(self.tokens, list):
+            return self.tokens
+        return [f"{self.prefix}{i} " for i in range(self.tokens)]
+
+
+@dataclass
+class Seen:
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+    body: bytes
+    script: Script
+    opened_at: float = field(default_factory=time.perf_counter)
+    events_sent: int = 0
+    closed_at: float | None = None
+    finished: bool = False
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    sent_event: asyncio.Event = field(default_factory=asyncio.Event)
+    _permits: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(0))
+
+    def release(self, n: int = 1) -> None:
+        for _ in range(n):
+            self._permits.release()
+
+    async def wait_sent(self, n: int) -> None:
+        """Until the server has written at least n events."""
+        while self.events_sent < n:
+            self.sent_event.clear()
+            await self.sent_event.wait()
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class ScriptedUpstream:
+    def __init__(self) -> None:
+        self.default = Script()
+        self.seen: list[Seen] = []
+        self.arrived = asyncio.Event()
+        self.url = ""
+
+    async def wait_requests(self, n: int) -> list[Seen]:
+        while len(self.seen) < n:
+            self.arrived.clear()
+            await self.arrived.wait()
+        return self.seen
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (msg := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        try:
+            parsed = json.loads(body) if body else {}
+        except ValueError:
+            parsed = {}
+        script = (Script.from_body(parsed) if isinstance(parsed, dict) else None) or self.default
+        seen = Seen(
+            method=scope["method"],
+            path=scope["path"],
+            query=scope["query_string"].decode(),
+            headers={k.decode(): v.decode() for k, v in scope["headers"]},
+            body=body,
+            script=script,
+        )
+        self.seen.append(seen)
+        self.arrived.set()
+        task = asyncio.current_task()
+        assert task is not None
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not seen.finished:
+                seen.closed_at = time.perf_counter()
+                seen.closed.set()
+                task.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await self._respond(seen, parsed, send)
+            seen.finished = True
+        except asyncio.CancelledError:
+            if not seen.closed.is_set():
+                raise
+        finally:
+            watcher.cancel()
+
+    async def _respond(self, seen: Seen, body: Any, send: Any) -> None:
+        script = seen.script
+        if script.hold_headers:
+            await seen._permits.acquire()
+        streaming = script.stream if script.stream is not None else bool(
+            isinstance(body, dict) and body.get("stream")
+        )
+        if script.status >= 400:
+            payload = json.dumps({"error": {"message": "scripted failure", "type": "scripted"}})
+            await _send_whole(send, script.status, payload.encode(), "application/json")
+            return
+        if not streaming:
+            payload = json.dumps(_whole_response(seen, script))
+            await _send_whole(send, 200, payload.encode(), "application/json")
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
+            }
+        )
+        for i, event in enumerate(_events(seen.path, script)):
+            if i > 0 and script.gated:
+                await seen._permits.acquire()
+            elif i > 0 and script.delay:
+                await asyncio.sleep(script.delay)
+            if script.fail_after is not None and i >= script.fail_after:
+                raise ConnectionAbortedError("scripted break")  # uvicorn drops the connection
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+            seen.events_sent += 1
+            seen.sent_event.set()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _send_whole(send: Any, status: int, body: bytes, ctype: str) -> None:
+    headers = [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _whole_response(seen: Seen, script: Script) -> dict[str, Any]:
+    text = "".join(script.token_list())
+    if seen.path.endswith("/messages"):
+        return {
+            "id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+            "content": [{"type": "text", "text": text}], "stop_reason": "end_turn",
+            "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1},
+        }
+    return {
+        "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                     "finish_reason": "stop"}],
+        "path": seen.path, "method": seen.method,
+    }
+
+
+def _sse(data: Any, event: str | None = None) -> bytes:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data)}\n\n".encode()
+
+
+def _events(path: str, script: Script) -> list[bytes]:
+    if script.raw_bytes is not None:
+        return script.raw_bytes
+    if script.raw is not None:
+        return [e.encode() for e in script.raw]
+    tokens = script.token_list()
+    if path.endswith("/responses"):
+        return _responses_events(tokens)
+    if path.endswith("/messages"):
+        return _anthropic_events(tokens)
+    if ":streamGenerateContent" in path:
+        return [_sse({"candidates": [{"content": {"parts": [{"text": t}], "role": "model"}}]})
+                for t in tokens]
+    return _chat_events(tokens)
+
+
+def _chat_events(tokens: list[str]) -> list[bytes]:
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return _sse({
+            "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        })
+    return [chunk({"content": t}) for t in tokens] + [chunk({}, "stop"), b"data: [DONE]\n\n"]
+
+
+def _responses_events(tokens: list[str]) -> list[bytes]:
+    response = {
+        "id": "resp_1", "object": "response", "created_at": 1, "model": "m", "status": "in_progress",
+        "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+    }
+    out = [_sse({"type": "response.created", "sequence_number": 0, "response": response},
+                "response.created")]
+    for i, t in enumerate(tokens):
+        out.append(_sse({"type": "response.output_text.delta", "sequence_number": i + 1,
+                         "item_id": "msg_1", "output_index": 0, "content_index": 0, "delta": t,
+                         "logprobs": []}, "response.output_text.delta"))
+    done = {**response, "status": "completed"}
+    out.append(_sse({"type": "response.completed", "sequence_number": len(tokens) + 1,
+                     "response": done}, "response.completed"))
+    return out
+
+
+def _anthropic_events(tokens: list[str]) -> list[bytes]:
+    message = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": [],
+               "stop_reason": None, "stop_sequence": None,
+               "usage": {"input_tokens": 1, "output_tokens": 0}}
+    out = [
+        _sse({"type": "message_start", "message": message}, "message_start"),
+        _sse({"type": "content_block_start", "index": 0,
+              "content_block": {"type": "text", "text": ""}}, "content_block_start"),
+    ]
+    out += [_sse({"type": "content_block_delta", "index": 0,
+                  "delta": {"type": "text_delta", "text": t}}, "content_block_delta")
+            for t in tokens]
+    out += [
+        _sse({"type": "content_block_stop", "index": 0}, "content_block_stop"),
+        _sse({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+              "usage": {"output_tokens": len(tokens)}}, "message_delta"),
+        _sse({"type": "message_stop"}, "message_stop"),
+    ]
+    return out
+
+
+@asynccontextmanager
+async def serve(app: Any, **config: Any) -> AsyncIterator[tuple[str, uvicorn.Server]]:
+    """Run `app` under real uvicorn on 127.0.0.1, port 0, in the current event loop."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    options: dict[str, Any] = dict(
+        lifespan="on", log_level="warning", http="httptools", ws="none",
+        timeout_graceful_shutdown=2, access_log=False, server_header=False, date_header=False,
+    )
+    options.update(config)
+    server = uvicorn.Server(uvicorn.Config(app, **options))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.002)
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
