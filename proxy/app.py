@@ -53,6 +53,7 @@ class Runtime:
         self.turn_header = config.turns.header.lower().encode("latin-1")
         self.drop_headers = {self.turn_header, ACCESS_TOKEN_HEADER}
         self.token = config.server.access_token.encode()
+        self.active: set[Relay] = set()  # in flight: for the status page and shutdown
 
     def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
         if not self.token:
@@ -103,7 +104,11 @@ class ProxyEndpoint:
             return
         assert rt.client is not None
         relay = Relay(exchange, rt.client, rt.registry, record, rt.finished)
-        await relay(scope, receive, send)
+        rt.active.add(relay)
+        try:
+            await relay(scope, receive, send)
+        finally:
+            rt.active.discard(relay)
 
     async def _accept(
         self,
@@ -223,7 +228,10 @@ def create_app(
         Route("/metrics", metrics),
     ]
     app = Starlette(
-        routes=[Mount(RESERVED_PREFIX, routes=own_routes), Route("/{path:path}", ProxyEndpoint(runtime))],
+        routes=[
+            Mount(RESERVED_PREFIX, routes=own_routes),
+            Route("/{path:path}", ProxyEndpoint(runtime)),
+        ],
         lifespan=lifespan,
     )
     app.state.runtime = runtime

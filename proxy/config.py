@@ -196,7 +196,16 @@ def _coerce(value: Any, hint: Any) -> Any:
     if hint is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        if isinstance(value, str) and value.lower() in (
+            "1",
+            "true",
+            "yes",
+            "on",
+            "0",
+            "false",
+            "no",
+            "off",
+        ):
             return value.lower() in ("1", "true", "yes", "on")
         raise TypeError(f"must be true or false, not {value!r}")
     if hint is int or hint is float:

@@ -77,18 +77,17 @@ def stream_error_frame(dialect: str, error: StreamfenceError, last_event: bytes 
         last = _last_json(last_event)
         chunk = {k: last[k] for k in _CHAT_FIELDS if k in last}
         chunk.setdefault("object", "chat.completion.chunk")
-        err = {"type": code, "code": code, "message": message}
+        err: dict[str, Any] = {"type": code, "code": code, "message": message}
         return encode_event(_dumps({**chunk, "choices": [], "error": err}))
     if dialect == OPENAI_RESPONSES:
         seq = _last_json(last_event).get("sequence_number")
-        err = {"type": code, "code": code, "message": message, "param": None}
-        frame = {
+        frame: dict[str, Any] = {
             "type": "error",
             "code": code,
             "message": message,
             "param": None,
             "sequence_number": seq + 1 if isinstance(seq, int) else 0,
-            "error": err,
+            "error": {"type": code, "code": code, "message": message, "param": None},
         }
         return encode_event(_dumps(frame), event="error")
     if dialect == ANTHROPIC:

@@ -62,7 +62,14 @@ def _ms(seconds: float | None) -> float | None:
 
 def line(record: Record, fmt: str = "json") -> str:
     data = asdict(record)
-    for key in ("started", "forwarded_at", "upstream_headers_at", "first_byte_at", "finished_at", "fence_latency"):
+    for key in (
+        "started",
+        "forwarded_at",
+        "upstream_headers_at",
+        "first_byte_at",
+        "finished_at",
+        "fence_latency",
+    ):
         data.pop(key)
     data.update(
         ttfb_ms=_ms(record.ttfb),

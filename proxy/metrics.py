@@ -17,7 +17,9 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
-            "streamfence_requests", "Finished requests", ["upstream", "dialect", "outcome"],
+            "streamfence_requests",
+            "Finished requests",
+            ["upstream", "dialect", "outcome"],
             registry=r,
         )
         self.in_flight = Gauge("streamfence_streams_in_flight", "Requests in flight", registry=r)
@@ -25,8 +27,10 @@ class Metrics:
             "streamfence_supersedes", "Attempts fenced by a newer attempt", ["upstream"], registry=r
         )
         self.dropped = Counter(
-            "streamfence_events_dropped", "Upstream events the fence kept from a client",
-            ["upstream"], registry=r,
+            "streamfence_events_dropped",
+            "Upstream events the fence kept from a client",
+            ["upstream"],
+            registry=r,
         )
         self.events = Counter(
             "streamfence_events_relayed", "SSE events relayed to clients", ["upstream"], registry=r
@@ -34,15 +38,19 @@ class Metrics:
         self.fence_latency = Histogram(
             "streamfence_fence_latency_seconds",
             "From a superseding request's claim to the old upstream response closed",
-            buckets=_FAST, registry=r,
+            buckets=_FAST,
+            registry=r,
         )
         self.added_ttfb = Histogram(
             "streamfence_added_ttfb_seconds",
             "Time to first byte the proxy adds on top of the upstream's",
-            buckets=_FAST, registry=r,
+            buckets=_FAST,
+            registry=r,
         )
         self.upstream_errors = Counter(
-            "streamfence_upstream_errors", "Upstream failures by kind", ["upstream", "kind"],
+            "streamfence_upstream_errors",
+            "Upstream failures by kind",
+            ["upstream", "kind"],
             registry=r,
         )
         self.registry_unavailable = Counter(

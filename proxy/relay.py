@@ -94,6 +94,8 @@ class Relay:
         self.error: StreamfenceError | None = None
         self.last_event: bytes | None = None
         self.done = False  # the response is complete: a disconnect now is not the client leaving
+        self.abort_error: StreamfenceError | None = None
+        self._fence: anyio.CancelScope | None = None
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         try:
@@ -121,8 +123,18 @@ class Relay:
             self.client_gone = True
             scope.cancel()
 
+    def abort(self, error: StreamfenceError) -> None:
+        """End this stream with `error` (shutdown). Like a supersede, it stops the relay at
+        its next await; a non-SSE body already under way is left to finish."""
+        self.abort_error = error
+        if self._fence is not None:
+            self._fence.cancel()
+
     async def _run(self, send: Send) -> None:
         with anyio.CancelScope() as fence:
+            self._fence = fence
+            if self.abort_error is not None:
+                fence.cancel()
             if self.lease is not None:
                 self.lease.on_superseded(fence.cancel)
             try:
@@ -131,7 +143,12 @@ class Relay:
                     await self._relay_events(send)
             except StreamfenceError as exc:
                 self.error = exc
-        if fence.cancel_called and not self.completed:
+        self._fence = None
+        if fence.cancel_called and not self.completed and self.abort_error is not None:
+            await self._close_upstream()
+            self.error = self.abort_error
+            await self._end_with_error(send, self.abort_error)
+        elif fence.cancel_called and not self.completed:
             await self._close_upstream()  # first: the fence's promise is a closed upstream
             assert self.lease is not None and self.lease.superseded_at is not None
             self.record.fence_latency = time.perf_counter() - self.lease.superseded_at
@@ -149,7 +166,7 @@ class Relay:
 
     def _is_sse(self) -> bool:
         assert self.response is not None
-        ctype = self.response.headers.get("content-type", "")
+        ctype: str = self.response.headers.get("content-type", "")
         return ctype.lower().startswith("text/event-stream")
 
     async def _start(self, send: Send, *, reframed: bool) -> None:

@@ -47,9 +47,7 @@ def credential_scope(headers: Headers, query: str = "") -> str:
     """A hash of every credential the caller sent; "anonymous" callers share one scope."""
     found = [name + b"=" + value for name, value in headers if name in CREDENTIAL_HEADERS]
     if query and CREDENTIAL_QUERY + "=" in query:
-        found += [
-            b"?key=" + v.encode() for k, v in parse_qsl(query) if k == CREDENTIAL_QUERY
-        ]
+        found += [b"?key=" + v.encode() for k, v in parse_qsl(query) if k == CREDENTIAL_QUERY]
     if not found:
         return "anonymous"
     return _sha256(b"credential", *sorted(found))

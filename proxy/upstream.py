@@ -63,9 +63,6 @@ def translate_errors(name: str) -> Iterator[None]:
         ) from exc
 
 
-async def send(
-    client: httpx.AsyncClient, request: httpx.Request, name: str
-) -> httpx.Response:
+async def send(client: httpx.AsyncClient, request: httpx.Request, name: str) -> httpx.Response:
     with translate_errors(name):
         return await client.send(request, stream=True)
-

@@ -145,8 +145,10 @@ class ScriptedUpstream:
         script = seen.script
         if script.hold_headers:
             await seen._permits.acquire()
-        streaming = script.stream if script.stream is not None else bool(
-            isinstance(body, dict) and body.get("stream")
+        streaming = (
+            script.stream
+            if script.stream is not None
+            else bool(isinstance(body, dict) and body.get("stream"))
         )
         if script.status >= 400:
             payload = json.dumps({"error": {"message": "scripted failure", "type": "scripted"}})
@@ -186,15 +188,25 @@ def _whole_response(seen: Seen, script: Script) -> dict[str, Any]:
     text = "".join(script.token_list())
     if seen.path.endswith("/messages"):
         return {
-            "id": "msg_1", "type": "message", "role": "assistant", "model": "m",
-            "content": [{"type": "text", "text": text}], "stop_reason": "end_turn",
-            "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1},
+            "id": "msg_1",
+            "type": "message",
+            "role": "assistant",
+            "model": "m",
+            "content": [{"type": "text", "text": text}],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "usage": {"input_tokens": 1, "output_tokens": 1},
         }
     return {
-        "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "finish_reason": "stop"}],
-        "path": seen.path, "method": seen.method,
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+        ],
+        "path": seen.path,
+        "method": seen.method,
     }
 
 
@@ -214,53 +226,110 @@ def _events(path: str, script: Script) -> list[bytes]:
     if path.endswith("/messages"):
         return _anthropic_events(tokens)
     if ":streamGenerateContent" in path:
-        return [_sse({"candidates": [{"content": {"parts": [{"text": t}], "role": "model"}}]})
-                for t in tokens]
+        return [
+            _sse({"candidates": [{"content": {"parts": [{"text": t}], "role": "model"}}]})
+            for t in tokens
+        ]
     return _chat_events(tokens)
 
 
 def _chat_events(tokens: list[str]) -> list[bytes]:
     def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-        return _sse({
-            "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-        })
+        return _sse(
+            {
+                "id": "chatcmpl-1",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": "m",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            }
+        )
+
     return [chunk({"content": t}) for t in tokens] + [chunk({}, "stop"), b"data: [DONE]\n\n"]
 
 
 def _responses_events(tokens: list[str]) -> list[bytes]:
     response = {
-        "id": "resp_1", "object": "response", "created_at": 1, "model": "m", "status": "in_progress",
-        "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+        "id": "resp_1",
+        "object": "response",
+        "created_at": 1,
+        "model": "m",
+        "status": "in_progress",
+        "output": [],
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
     }
-    out = [_sse({"type": "response.created", "sequence_number": 0, "response": response},
-                "response.created")]
+    out = [
+        _sse(
+            {"type": "response.created", "sequence_number": 0, "response": response},
+            "response.created",
+        )
+    ]
     for i, t in enumerate(tokens):
-        out.append(_sse({"type": "response.output_text.delta", "sequence_number": i + 1,
-                         "item_id": "msg_1", "output_index": 0, "content_index": 0, "delta": t,
-                         "logprobs": []}, "response.output_text.delta"))
+        out.append(
+            _sse(
+                {
+                    "type": "response.output_text.delta",
+                    "sequence_number": i + 1,
+                    "item_id": "msg_1",
+                    "output_index": 0,
+                    "content_index": 0,
+                    "delta": t,
+                    "logprobs": [],
+                },
+                "response.output_text.delta",
+            )
+        )
     done = {**response, "status": "completed"}
-    out.append(_sse({"type": "response.completed", "sequence_number": len(tokens) + 1,
-                     "response": done}, "response.completed"))
+    out.append(
+        _sse(
+            {"type": "response.completed", "sequence_number": len(tokens) + 1, "response": done},
+            "response.completed",
+        )
+    )
     return out
 
 
 def _anthropic_events(tokens: list[str]) -> list[bytes]:
-    message = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": [],
-               "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": 1, "output_tokens": 0}}
+    message = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": "m",
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": 1, "output_tokens": 0},
+    }
     out = [
         _sse({"type": "message_start", "message": message}, "message_start"),
-        _sse({"type": "content_block_start", "index": 0,
-              "content_block": {"type": "text", "text": ""}}, "content_block_start"),
+        _sse(
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "text", "text": ""},
+            },
+            "content_block_start",
+        ),
     ]
-    out += [_sse({"type": "content_block_delta", "index": 0,
-                  "delta": {"type": "text_delta", "text": t}}, "content_block_delta")
-            for t in tokens]
+    out += [
+        _sse(
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": t}},
+            "content_block_delta",
+        )
+        for t in tokens
+    ]
     out += [
         _sse({"type": "content_block_stop", "index": 0}, "content_block_stop"),
-        _sse({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None},
-              "usage": {"output_tokens": len(tokens)}}, "message_delta"),
+        _sse(
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                "usage": {"output_tokens": len(tokens)},
+            },
+            "message_delta",
+        ),
         _sse({"type": "message_stop"}, "message_stop"),
     ]
     return out
@@ -274,8 +343,14 @@ async def serve(app: Any, **config: Any) -> AsyncIterator[tuple[str, uvicorn.Ser
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     options: dict[str, Any] = dict(
-        lifespan="on", log_level="warning", http="httptools", ws="none",
-        timeout_graceful_shutdown=2, access_log=False, server_header=False, date_header=False,
+        lifespan="on",
+        log_level="warning",
+        http="httptools",
+        ws="none",
+        timeout_graceful_shutdown=2,
+        access_log=False,
+        server_header=False,
+        date_header=False,
     )
     options.update(config)
     server = uvicorn.Server(uvicorn.Config(app, **options))

@@ -1,0 +1,71 @@
+"""A client-side SSE reader for tests, written apart from proxy.sse so that the proxy's
+splitter is checked against an independent reading of the stream."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class Event:
+    event: str | None
+    data: str
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.data)
+
+    @property
+    def is_error(self) -> bool:
+        if self.event == "error":
+            return True
+        try:
+            return isinstance(self.json, dict) and "error" in self.json
+        except ValueError:
+            return False
+
+    @property
+    def text(self) -> str:
+        """The token text of a chat-completions chunk, "" for anything else."""
+        try:
+            chunk = self.json
+            return "".join(c["delta"].get("content") or "" for c in chunk.get("choices", []))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return ""
+
+
+async def events(response: httpx.Response) -> AsyncIterator[Event]:
+    name: str | None = None
+    data: list[str] = []
+    async for line in response.aiter_lines():
+        if line == "":
+            if data or name:
+                yield Event(name, "\n".join(data))
+            name, data = None, []
+        elif line.startswith(":"):
+            continue
+        else:
+            field, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if field == "event":
+                name = value
+            elif field == "data":
+                data.append(value)
+    if data:
+        yield Event(name, "\n".join(data))
+
+
+def chat_body(prompt: str = "hi", **script: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": prompt}],
+        "stream": True,
+    }
+    if script:
+        body["script"] = script
+    return body
