@@ -99,9 +99,6 @@ class Relay:
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         try:
-            if self.registry is not None and self.ex.turn is not None:
-                self.lease = await self.registry.claim(self.ex.turn.key)
-                self.record.attempt = self.lease.attempt
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._watch_disconnect, receive, tg.cancel_scope)
                 await self._run(send)
@@ -135,9 +132,8 @@ class Relay:
             self._fence = fence
             if self.abort_error is not None:
                 fence.cancel()
-            if self.lease is not None:
-                self.lease.on_superseded(fence.cancel)
             try:
+                await self._claim(fence)
                 await self._open()
                 if self._is_sse():
                     await self._relay_events(send)
@@ -157,6 +153,15 @@ class Relay:
             await self._end_with_error(send, self.error)
         elif not self.completed:
             await self._pass_through(send)  # not SSE: past the fence once headers go out
+
+    async def _claim(self, fence: anyio.CancelScope) -> None:
+        # Claimed here, inside the race, so that a client gone during a slow claim (Redis)
+        # and a registry failure (errors.RegistryUnavailable) take the same paths as the rest.
+        if self.registry is None or self.ex.turn is None:
+            return
+        self.lease = await self.registry.claim(self.ex.turn.key)
+        self.record.attempt = self.lease.attempt
+        self.lease.on_superseded(fence.cancel)
 
     async def _open(self) -> None:
         self.record.forwarded_at = time.perf_counter()
