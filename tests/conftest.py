@@ -50,7 +50,8 @@ def make_proxy() -> ProxyFactory:
     @asynccontextmanager
     async def start(upstream_url: str, **overrides: Any) -> AsyncIterator[Proxy]:
         flat = {"upstream.url": upstream_url, **overrides}
-        app = create_app(load(env={}, overrides=flat), **flat.pop("_app", {}))
+        app_kw = flat.pop("_app", {})  # before load(): it is not a config key
+        app = create_app(load(env={}, overrides=flat), **app_kw)
         async with serve(app) as (url, _server):
             yield Proxy(url, app.state.runtime)
 
