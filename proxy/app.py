@@ -49,6 +49,7 @@ class Runtime:
         self.registry = registry
         self.router = Router(config.upstream)
         self.metrics = Metrics()
+        registry.unavailable_hook = self.metrics.registry_unavailable.inc
         self.client: httpx.AsyncClient | None = None
         self.turn_header = config.turns.header.lower().encode("latin-1")
         self.drop_headers = {self.turn_header, ACCESS_TOKEN_HEADER}

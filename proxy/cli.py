@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
+import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from proxy import __version__
-from proxy.config import Config, ConfigError, load
+from proxy.config import Config, ConfigError, from_dict, load
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
 
 COMMANDS = ("run", "demo", "check-config")
+WORKER_ENV = "_STREAMFENCE_WORKER_CONFIG"  # not STREAMFENCE_*: that prefix is config keys
 
 
 def _run_parser(prog: str = "streamfence") -> argparse.ArgumentParser:
@@ -92,8 +99,20 @@ def serve(config: Config, log_level: str) -> int:
     setup_logging(log_level)
     for line in startup_lines(config):
         print(line, file=sys.stderr, flush=True)
+    app: Any = None
+    extra: dict[str, Any] = {}
+    if config.server.workers > 1:
+        # uvicorn starts workers as fresh processes: they need an import string, and
+        # they get the already-validated config through the environment.
+        os.environ[WORKER_ENV] = json.dumps(
+            {"config": dataclasses.asdict(config), "log_level": log_level}
+        )
+        app, extra = "proxy.cli:worker_app", {"factory": True, "workers": config.server.workers}
+    else:
+        app = create_app(config)
     uvicorn.run(
-        create_app(config),
+        app,
+        **extra,
         host=config.server.host,
         port=config.server.port,
         loop="uvloop",
@@ -106,6 +125,15 @@ def serve(config: Config, log_level: str) -> int:
         timeout_graceful_shutdown=int(config.server.shutdown_grace) or None,
     )
     return 0
+
+
+def worker_app() -> Starlette:
+    """The app factory each uvicorn worker calls (`streamfence --workers N`)."""
+    from proxy.app import create_app  # noqa: PLC0415
+
+    raw = json.loads(os.environ[WORKER_ENV])
+    setup_logging(raw["log_level"])
+    return create_app(from_dict(raw["config"]))
 
 
 def check_config(argv: Sequence[str]) -> int:

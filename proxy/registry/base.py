@@ -53,6 +53,10 @@ class Lease:
 class Registry(ABC):
     """Hands out fencing tokens per turn key and fences older holders."""
 
+    # Called once per request forwarded unfenced because the registry was unreachable
+    # (fail_open); the app points it at its metrics.
+    unavailable_hook: Callable[[], object] | None = None
+
     async def start(self) -> None:  # noqa: B027 - backends without a connection need no setup
         """Connect and subscribe; called once from the app's lifespan."""
 

@@ -1,0 +1,321 @@
+"""The Redis registry: one turn registry shared by every process that points at one Redis.
+
+Claiming runs one Lua script: take a fencing token, make it the key's holder (with a TTL,
+so a crashed process leaves nothing behind for longer than `lease_ttl`) and publish the
+claim. Each process holds one subscription; a claim message supersedes the local lease of
+that key whose token is lower, so the per-event check stays a local attribute read.
+
+Tokens come from one counter that never goes below Redis's clock in microseconds: a Redis
+restarted without its data (or from an older snapshot) still hands out tokens above every
+token issued before, and "lower token" keeps meaning "older claim".
+
+Redis errors are translated here, and only here, into `RegistryUnavailable`. With
+`on_unavailable = "fail_open"` a claim that cannot reach Redis returns a lease that is
+never superseded (the request is forwarded unfenced, counted and logged); with
+"fail_closed" the claim raises and the caller gets a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from proxy.config import RegistryConfig
+from proxy.errors import RegistryUnavailable
+from proxy.registry.base import Lease, Registry
+
+log = logging.getLogger("streamfence")
+
+PREFIX = "streamfence:"
+CONNECT_TIMEOUT = 0.5  # a claim sits in front of the first byte: fail fast, not late
+COMMAND_TIMEOUT = 1.0
+RECONNECT_MIN, RECONNECT_MAX = 0.05, 0.5
+IDLE_PING = 5.0  # seconds without traffic before the subscriber checks its connection
+WARN_EVERY = 5.0  # seconds between "forwarding unfenced" warnings while Redis is down
+
+# KEYS: turn entry, token counter. ARGV: ttl ms, channel, turn key.
+CLAIM = """
+local now = redis.call('TIME')
+local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local token = redis.call('INCR', KEYS[2])
+if token < floor then
+  token = floor
+  redis.call('SET', KEYS[2], string.format('%d', token))
+end
+local tok = string.format('%d', token)
+local prev = redis.call('HGET', KEYS[1], 'attempt')
+local attempt = 1
+if prev then attempt = tonumber(prev) + 1 end
+redis.call('HSET', KEYS[1], 'token', tok, 'attempt', attempt)
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('PUBLISH', ARGV[2], tok .. ' ' .. attempt .. ' ' .. ARGV[3])
+return {tok, attempt}
+"""
+
+# KEYS: turn entry. ARGV: token. A stale release (a newer attempt holds the key) is a no-op.
+RELEASE = """
+if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+# KEYS: turn entry. ARGV: token, ttl ms. Keeps a long stream's entry alive and returns the
+# holder, so a claim message missed while the subscriber was down is caught up on.
+REFRESH = """
+local cur = redis.call('HMGET', KEYS[1], 'token', 'attempt')
+if cur[1] == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return cur
+"""
+
+
+@dataclass(slots=True)
+class _Local:
+    holder: Lease  # the newest lease this process holds for the key
+    live: int  # claimed here and not yet released, superseded ones included
+
+
+@contextlib.contextmanager
+def _translate(what: str) -> Iterator[None]:
+    """The one boundary where redis (and socket) errors become the project's own."""
+    try:
+        yield
+    except (RedisError, OSError, TimeoutError) as exc:
+        raise RegistryUnavailable(
+            f"streamfence: the shared turn registry (Redis) is unavailable ({what}: "
+            f"{type(exc).__name__})"
+        ) from exc
+
+
+class RedisRegistry(Registry):
+    def __init__(self, config: RegistryConfig) -> None:
+        self.config = config
+        self.fail_open = config.on_unavailable != "fail_closed"
+        self.ttl_ms = max(1, int(config.lease_ttl * 1000))
+        self._client: Redis = Redis.from_url(
+            config.url,
+            socket_connect_timeout=CONNECT_TIMEOUT,
+            socket_timeout=COMMAND_TIMEOUT,
+            # No retries: a claim either answers now or the fail mode decides.
+            retry=Retry(NoBackoff(), 0),
+        )
+        db = self._client.connection_pool.connection_kwargs.get("db", 0)
+        # Pub/sub ignores the database number: keep deployments on other dbs apart.
+        self.channel = f"{PREFIX}{db}:claims"
+        self._counter = f"{PREFIX}token"
+        self._claim = self._client.register_script(CLAIM)
+        self._release = self._client.register_script(RELEASE)
+        self._refresh = self._client.register_script(REFRESH)
+        self._local: dict[str, _Local] = {}
+        self._pending: dict[str, int] = {}  # claims in flight per key
+        self._early: dict[str, tuple[int, int]] = {}  # newest claim heard for a pending key
+        self._unfenced = itertools.count(-1, -1)  # fail-open tokens: never a Redis token
+        self._subscribed = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._warned_at = -WARN_EVERY
+        self._suppressed = 0
+
+    @staticmethod
+    def entry_key(key: str) -> str:
+        return f"{PREFIX}turn:{key}"
+
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._subscriber(), name="streamfence-registry-subscriber"),
+            asyncio.create_task(self._refresher(), name="streamfence-registry-refresh"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        await self._client.aclose()
+
+    async def ready(self) -> bool:
+        if not self._subscribed.is_set():
+            return False
+        try:
+            with _translate("ping"):
+                await self._client.ping()
+        except RegistryUnavailable:
+            return False
+        return True
+
+    async def wait_subscribed(self) -> None:
+        """Until the claim subscription is live (tests, benchmarks)."""
+        await self._subscribed.wait()
+
+    async def claim(self, key: str) -> Lease:
+        self._pending[key] = self._pending.get(key, 0) + 1
+        try:
+            with _translate("claim"):
+                token_raw, attempt_raw = await self._claim(
+                    keys=[self.entry_key(key), self._counter],
+                    args=[self.ttl_ms, self.channel, key],
+                )
+            early = self._early.get(key)
+        except RegistryUnavailable:
+            if not self.fail_open:
+                raise
+            return self._unfenced_lease(key)
+        finally:
+            left = self._pending[key] - 1
+            if left:
+                self._pending[key] = left
+            else:
+                del self._pending[key]
+                self._early.pop(key, None)
+        lease = Lease(key, int(token_raw), int(attempt_raw))
+        local = self._local.get(key)
+        if local is None:
+            self._local[key] = _Local(lease, 1)
+        else:
+            local.live += 1
+            if local.holder.token < lease.token:
+                local.holder.supersede(newer_attempt=lease.attempt)
+                local.holder = lease
+            else:  # a later claim of this process was answered first
+                lease.supersede(newer_attempt=local.holder.attempt)
+        if early is not None and early[0] > lease.token:
+            # Another process's newer claim was heard before this claim's own reply.
+            lease.supersede(newer_attempt=early[1])
+        return lease
+
+    def _unfenced_lease(self, key: str) -> Lease:
+        if self.unavailable_hook is not None:
+            self.unavailable_hook()
+        now = time.monotonic()
+        if now - self._warned_at >= WARN_EVERY:
+            also = f" (and {self._suppressed} more since then)" if self._suppressed else ""
+            log.warning(
+                "streamfence: registry unavailable, forwarding turn %s without fencing%s",
+                key[:16],
+                also,
+            )
+            self._warned_at, self._suppressed = now, 0
+        else:
+            self._suppressed += 1
+        return Lease(key, next(self._unfenced), 1)
+
+    async def release(self, lease: Lease) -> None:
+        if lease.token < 0:
+            return  # forwarded unfenced: never entered the registry
+        local = self._local.get(lease.key)
+        if local is not None:
+            local.live -= 1
+            if local.live <= 0:
+                del self._local[lease.key]
+        try:
+            with _translate("release"):
+                await self._release(keys=[self.entry_key(lease.key)], args=[str(lease.token)])
+        except RegistryUnavailable as exc:
+            # The stream has ended either way; the entry expires with its TTL.
+            log.debug("%s; turn %s left to expire", exc.message, lease.key[:16])
+
+    def live_keys(self) -> int:
+        return len(self._local)
+
+    def _heard(self, token: int, attempt: int, key: str) -> None:
+        """A claim made anywhere (this process included) for `key`."""
+        local = self._local.get(key)
+        if local is not None and local.holder.token < token:
+            local.holder.supersede(newer_attempt=attempt)
+        if key in self._pending:
+            early = self._early.get(key)
+            if early is None or early[0] < token:
+                self._early[key] = (token, attempt)
+
+    def _on_message(self, message: dict[str, Any]) -> None:
+        if message.get("type") != "message":
+            return
+        try:
+            token, attempt, key = message["data"].decode().split(" ", 2)
+            self._heard(int(token), int(attempt), key)
+        except (ValueError, UnicodeDecodeError):
+            log.warning("streamfence: ignored a malformed message on %s", self.channel)
+
+    async def _subscriber(self) -> None:
+        delay = RECONNECT_MIN
+        while True:
+            pubsub: PubSub = self._client.pubsub()
+            try:
+                with _translate("subscribe"):
+                    await self._listen(pubsub)
+            except RegistryUnavailable as exc:
+                if self._subscribed.is_set():
+                    log.warning("%s; fencing across processes paused", exc.message)
+                self._subscribed.clear()
+            finally:
+                with contextlib.suppress(RedisError, OSError, TimeoutError):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RECONNECT_MAX)
+            if self._subscribed.is_set():
+                delay = RECONNECT_MIN
+
+    async def _listen(self, pubsub: PubSub) -> None:
+        await pubsub.subscribe(self.channel)
+        while True:  # the confirmation: from here on no claim message is missed
+            message = await pubsub.get_message(timeout=COMMAND_TIMEOUT)
+            if message is None:
+                raise TimeoutError("no subscribe confirmation")
+            if message["type"] == "subscribe":
+                break
+            self._on_message(message)
+        await self._refresh_all()  # catch up on claims made while we were not listening
+        if not self._subscribed.is_set():
+            log.info("streamfence: subscribed to %s", self.channel)
+        self._subscribed.set()
+        idle = 0.0
+        while True:
+            message = await pubsub.get_message(timeout=1.0)
+            if message is not None:
+                idle = 0.0
+                self._on_message(message)
+                continue
+            idle += 1.0
+            if idle == IDLE_PING:
+                await pubsub.ping()  # its reply arrives as a message and resets `idle`
+            elif idle > IDLE_PING + COMMAND_TIMEOUT * 2:
+                raise TimeoutError("the subscription stopped answering")
+
+    async def _refresher(self) -> None:
+        every = max(0.05, self.ttl_ms / 3000)
+        while True:
+            await asyncio.sleep(every)
+            with contextlib.suppress(RegistryUnavailable):
+                await self._refresh_all()
+
+    async def _refresh_all(self) -> None:
+        """Extend the TTL of every entry this process holds, and fence any local holder
+        that Redis says was superseded by a claim we did not hear about."""
+        holders = [local.holder for local in self._local.values() if not local.holder.superseded]
+        if not holders:
+            return
+        with _translate("refresh"):
+            async with self._client.pipeline(transaction=False) as pipe:
+                for lease in holders:
+                    await self._refresh(
+                        keys=[self.entry_key(lease.key)],
+                        args=[str(lease.token), self.ttl_ms],
+                        client=pipe,
+                    )
+                replies = await pipe.execute()
+        for lease, (token, attempt) in zip(holders, replies, strict=True):
+            if token is not None and int(token) > lease.token:
+                lease.supersede(newer_attempt=int(attempt))
