@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route
 
-from proxy import dialects, logs, turns
+from proxy import dialects, logs, status, turns
 from proxy.config import Config
 from proxy.errors import BodyTooLarge, NoRoute, StreamfenceError, Unauthorized
 from proxy.logs import Record
@@ -55,6 +55,7 @@ class Runtime:
         self.drop_headers = {self.turn_header, ACCESS_TOKEN_HEADER}
         self.token = config.server.access_token.encode()
         self.active: set[Relay] = set()  # in flight: for the status page and shutdown
+        self.status = status.StatusBoard()
 
     def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
         if not self.token:
@@ -68,9 +69,16 @@ class Runtime:
         self.metrics.in_flight.dec()
         if record.outcome == "superseded":
             logs.log_supersede(
-                record.turn, record.attempt, record.superseded_by, self.config.server.log_format
+                record.turn,
+                record.attempt,
+                record.superseded_by,
+                self.config.server.log_format,
+                upstream=record.upstream,
+                fence_latency=record.fence_latency,
+                request_id=record.request_id,
             )
         logs.log_request(record, self.config.server.log_format)
+        self.status.finished(record)
 
 
 class ProxyEndpoint:
@@ -106,6 +114,7 @@ class ProxyEndpoint:
         assert rt.client is not None
         relay = Relay(exchange, rt.client, rt.registry, record, rt.finished)
         rt.active.add(relay)
+        rt.status.changed()
         try:
             await relay(scope, receive, send)
         finally:
@@ -162,6 +171,7 @@ class ProxyEndpoint:
             turn=turn,
             max_event_bytes=up.max_event_bytes,
             extra_headers=own,
+            write_timeout=rt.config.server.write_timeout,
         )
 
 
@@ -223,10 +233,18 @@ def create_app(
             return PlainTextResponse("access token required\n", 401)
         return Response(runtime.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    async def status_page(request: Request) -> Response:
+        return await status.page(request, runtime.token)
+
+    async def status_feed(request: Request) -> Response:
+        return await status.feed(request, runtime.token, runtime.status, runtime.active)
+
     own_routes = [
         Route("/healthz", healthz),
         Route("/readyz", readyz),
         Route("/metrics", metrics),
+        Route("/", status_page),
+        Route("/feed", status_feed),
     ]
     app = Starlette(
         routes=[

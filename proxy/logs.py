@@ -76,10 +76,24 @@ def line(record: Record, fmt: str = "json") -> str:
         duration_ms=_ms(record.duration),
         fence_latency_ms=_ms(record.fence_latency),
     )
+    stamped = {"ts": round(time.time(), 3), "msg": "request", **data}
     if fmt == "text":
-        shown = {k: v for k, v in data.items() if v not in (None, "", 0, False)}
-        return " ".join(f"{k}={v}" for k, v in shown.items())
-    return json.dumps({"ts": round(time.time(), 3), "msg": "request", **data})
+        return _text(stamped)
+    return json.dumps(stamped)
+
+
+def _text(data: dict[str, object]) -> str:
+    # For humans: an ISO time first, empty fields left out, values with spaces quoted.
+    ts = data.pop("ts")
+    assert isinstance(ts, float)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+    shown = [f"{k}={_quote(v)}" for k, v in data.items() if v not in (None, "", False)]
+    return " ".join([stamp, *shown])
+
+
+def _quote(value: object) -> str:
+    text = str(value)
+    return json.dumps(text) if not text or any(c in text for c in ' "=') else text
 
 
 def log_request(record: Record, fmt: str = "json") -> None:
@@ -87,11 +101,51 @@ def log_request(record: Record, fmt: str = "json") -> None:
         logger.info(line(record, fmt))
 
 
-def log_supersede(turn: str, old_attempt: int, new_attempt: int | None, fmt: str = "json") -> None:
-    if not logger.isEnabledFor(logging.INFO):
-        return
-    data = {"msg": "superseded", "turn": turn, "attempt": old_attempt, "by_attempt": new_attempt}
+def supersede_line(
+    turn: str,
+    old_attempt: int,
+    new_attempt: int | None,
+    fmt: str = "json",
+    *,
+    upstream: str = "",
+    fence_latency: float | None = None,
+    request_id: str = "",
+) -> str:
+    """Both attempts of a supersede, and how long the fence took to close the old one."""
+    data: dict[str, object] = {
+        "ts": round(time.time(), 3),
+        "msg": "superseded",
+        "turn": turn,
+        "attempt": old_attempt,
+        "by_attempt": new_attempt,
+        "upstream": upstream,
+        "request_id": request_id,
+        "fence_latency_ms": _ms(fence_latency),
+    }
     if fmt == "text":
-        logger.info(" ".join(f"{k}={v}" for k, v in data.items()))
-    else:
-        logger.info(json.dumps({"ts": round(time.time(), 3), **data}))
+        return _text(data)
+    return json.dumps(data)
+
+
+def log_supersede(
+    turn: str,
+    old_attempt: int,
+    new_attempt: int | None,
+    fmt: str = "json",
+    *,
+    upstream: str = "",
+    fence_latency: float | None = None,
+    request_id: str = "",
+) -> None:
+    if logger.isEnabledFor(logging.INFO):
+        logger.info(
+            supersede_line(
+                turn,
+                old_attempt,
+                new_attempt,
+                fmt,
+                upstream=upstream,
+                fence_latency=fence_latency,
+                request_id=request_id,
+            )
+        )

@@ -1,0 +1,160 @@
+"""The status page and its SSE feed over real HTTP: what the feed reports while a turn is in
+flight and after it is superseded, the access token, and that nothing secret reaches it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AsyncExitStack
+from typing import Any
+
+import httpx
+import pytest
+import sse_starlette.sse
+from sse_starlette.sse import AppStatus
+
+from proxy import status
+from tests.conftest import Proxy, ProxyFactory
+from tests.sse_client import Event, chat_body, events
+from tests.upstream import ScriptedUpstream
+
+CHAT = "/v1/chat/completions"
+TOKEN = "status-token-123"
+
+
+@pytest.fixture(autouse=True)
+def reset_sse_starlette() -> Iterator[None]:
+    """sse-starlette keeps process-global shutdown state (a flag set by uvicorn's exit handler
+    and a per-thread watcher bound to one event loop): start and leave each test clean."""
+
+    def reset() -> None:
+        AppStatus.should_exit = False
+        sse_starlette.sse._thread_state.shutdown_state = None
+
+    reset()
+    yield
+    reset()
+
+
+async def _snapshots(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    async for event in events(response):
+        assert event.event == "status"
+        yield event.json
+
+
+async def _until(
+    feed: AsyncIterator[dict[str, Any]], predicate: Callable[[dict[str, Any]], bool]
+) -> dict[str, Any]:
+    async for snap in feed:
+        if predicate(snap):
+            return snap
+    raise AssertionError("the feed ended")
+
+
+def test_page_is_self_contained_with_a_strict_policy() -> None:
+    page = status.PAGE
+    for external in ("http://", "https://", "//", "src=", "@import", "url("):
+        assert external not in page
+    # Its own icon, so a browser never asks the upstream for /favicon.ico.
+    assert '<link rel="icon" href="data:,">' in page
+    csp = status.PAGE_HEADERS["content-security-policy"]
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp
+    assert "'unsafe-inline'" not in csp.split("script-src")[1].split(";")[0]
+    assert status.PAGE_HEADERS["referrer-policy"] == "no-referrer"
+    # The script hash in the policy is the script's: a stale hash would block the page.
+    assert status._SCRIPT in page
+
+
+async def test_feed_shows_turn_in_flight_then_its_supersede(
+    proxy: Proxy, upstream: ScriptedUpstream
+) -> None:
+    secret = "sk-live-status-secret-0123456789"
+    async with (
+        proxy.client() as client,
+        proxy.client() as watcher,
+        AsyncExitStack() as stack,
+    ):
+        page = await client.get("/_streamfence/")
+        assert page.status_code == 200
+        assert page.headers["content-type"].startswith("text/html")
+        assert "content-security-policy" in page.headers
+
+        feed_response = await stack.enter_async_context(watcher.stream("GET", "/_streamfence/feed"))
+        assert feed_response.headers["content-type"].startswith("text/event-stream")
+        raw_feed: list[str] = []
+
+        async def recording() -> AsyncIterator[dict[str, Any]]:
+            async for snap in _snapshots(feed_response):
+                raw_feed.append(json.dumps(snap))
+                yield snap
+
+        feed = recording()
+        first = await anext(feed)
+        assert first["in_flight"] == [] and first["recent"] == []
+
+        headers = {"X-Turn-Id": "t-secret-turn", "Authorization": f"Bearer {secret}"}
+        a = await stack.enter_async_context(
+            client.stream("POST", CHAT, json=chat_body("q", gated=True), headers=headers)
+        )
+        a_events = events(a)
+        await anext(a_events)
+        turn = a.headers["x-streamfence-turn"]
+        # The page refreshes while streams are in flight: the relayed event shows up.
+        snap = await _until(
+            feed, lambda s: any(f["turn"] == turn and f["events"] == 1 for f in s["in_flight"])
+        )
+        flight = next(f for f in snap["in_flight"] if f["turn"] == turn)
+        assert flight["upstream"] == "default"
+        assert flight["dialect"] == "openai-chat"
+        assert flight["attempt"] == 1 and flight["age_s"] >= 0
+
+        b = await stack.enter_async_context(
+            client.stream("POST", CHAT, json=chat_body("q", tokens=2), headers=headers)
+        )
+        b_events: list[Event] = [e async for e in events(b)]
+        assert b_events[-1].data == "[DONE]"
+        rest: list[Event] = [e async for e in a_events]
+        assert rest[-1].json["error"]["code"] == "stream_superseded"
+
+        snap = await _until(feed, lambda s: bool(s["recent"]) and not s["in_flight"])
+        (recent,) = snap["recent"]
+        assert recent["turn"] == turn
+        assert (recent["attempt"], recent["by_attempt"]) == (1, 2)
+        assert 0 <= recent["fence_latency_ms"] < 50
+        assert snap["totals"]["supersedes"] == 1
+        assert snap["totals"]["requests"] == 2
+
+    text = "\n".join(raw_feed)
+    assert secret not in text and "t-secret-turn" not in text
+    assert all(seen.path != "/_streamfence/feed" for seen in upstream.seen)
+
+
+async def test_status_routes_need_the_access_token(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory
+) -> None:
+    async with (
+        make_proxy(upstream.url, **{"server.access_token": TOKEN}) as proxy,
+        proxy.client() as client,
+    ):
+        for path in ("/_streamfence/", "/_streamfence/feed"):
+            assert (await client.get(path)).status_code == 401
+            assert (await client.get(path, params={"token": "nope"})).status_code == 401
+            wrong = await client.get(path, headers={"x-streamfence-token": TOKEN + "x"})
+            assert wrong.status_code == 401
+            for kw in ({"params": {"token": TOKEN}}, {"headers": {"x-streamfence-token": TOKEN}}):
+                async with client.stream("GET", path, **kw) as ok:  # type: ignore[arg-type]
+                    assert ok.status_code == 200, path
+    assert upstream.seen == []  # never forwarded
+
+
+async def test_status_page_is_not_forwarded_and_plain_metrics_is(
+    proxy: Proxy, upstream: ScriptedUpstream
+) -> None:
+    async with proxy.client() as client:
+        assert "streamfence status" in (await client.get("/_streamfence/")).text
+        missing = await client.get("/_streamfence/nothing-here")
+        assert missing.status_code == 404
+        forwarded = await client.get("/metrics")
+    assert forwarded.status_code == 200
+    assert forwarded.json()["path"] == "/metrics"
+    assert [s.path for s in upstream.seen] == ["/metrics"]
