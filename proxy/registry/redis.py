@@ -156,6 +156,11 @@ class RedisRegistry(Registry):
             return False
         return True
 
+    @property
+    def subscribed(self) -> bool:
+        """Claims made by other processes reach this one (the subscription is live)."""
+        return self._subscribed.is_set()
+
     async def wait_subscribed(self) -> None:
         """Until the claim subscription is live (tests, benchmarks)."""
         await self._subscribed.wait()
