@@ -1,0 +1,198 @@
+"""Prometheus metrics at /_streamfence/metrics, read back over real HTTP after real traffic:
+one request of each outcome, the histograms, the in-flight gauge, the access token, and that
+no label carries a credential, a turn id or a body."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.logs import Record
+from proxy.metrics import Metrics
+from tests.conftest import Proxy, ProxyFactory
+from tests.sse_client import chat_body, events
+from tests.upstream import ScriptedUpstream
+
+CHAT = "/v1/chat/completions"
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def parse(text: str) -> Samples:
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+async def scrape(client: httpx.AsyncClient, **kw: str) -> Samples:
+    response = await client.get("/_streamfence/metrics", headers=kw or None)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/plain")
+    return parse(response.text)
+
+
+def count_finished(proxy: Proxy) -> Callable[[int], asyncio.Task[None]]:
+    """Wrap Runtime.finished so a test can wait until n requests have been recorded."""
+    rt = proxy.runtime
+    original = rt.finished
+    records: list[Record] = []
+    changed = asyncio.Event()
+
+    def spy(record: Record, error: object) -> None:
+        original(record, error)  # type: ignore[arg-type]
+        records.append(record)
+        changed.set()
+
+    rt.finished = spy  # type: ignore[method-assign]
+
+    async def until(n: int) -> None:
+        while len(records) < n:
+            changed.clear()
+            await changed.wait()
+
+    return lambda n: asyncio.ensure_future(asyncio.wait_for(until(n), 10))
+
+
+async def test_each_outcome_is_counted_by_upstream_dialect_and_outcome(
+    proxy: Proxy, upstream: ScriptedUpstream
+) -> None:
+    finished = count_finished(proxy)
+    async with proxy.client() as client, AsyncExitStack() as stack:
+        # completed: one stream, no turn key
+        done = await client.post(CHAT, json=chat_body("a"), headers={"X-Turn-Id": "none"})
+        assert done.status_code == 200
+        # not a proxied request: the proxy's own namespace answers 404 itself
+        assert (await client.get("/_streamfence/nope")).status_code == 404
+        # rejected: an empty turn id
+        assert (await client.post(CHAT, json={}, headers={"X-Turn-Id": ""})).status_code == 400
+        # upstream_error: the stream breaks after one event
+        broken = await client.post(CHAT, json=chat_body("b", fail_after=1))
+        assert "error" in broken.text
+        # superseded + completed: a retry of a gated turn
+        a = await stack.enter_async_context(
+            client.stream("POST", CHAT, json=chat_body("c", gated=True), headers={"X-Turn-Id": "k"})
+        )
+        a_events = events(a)
+        await anext(a_events)
+        during = await scrape(client)
+        assert value(during, "streamfence_streams_in_flight") == 1
+        b = await client.post(CHAT, json=chat_body("c"), headers={"X-Turn-Id": "k"})
+        assert b.status_code == 200
+        assert [e async for e in a_events][-1].json["error"]["code"] == "stream_superseded"
+        await finished(5)
+        # client_gone: the caller leaves a gated stream
+        gone = await stack.enter_async_context(
+            client.stream("POST", CHAT, json=chat_body("d", gated=True))
+        )
+        gone_events = events(gone)
+        await anext(gone_events)
+        await gone.aclose()
+        await finished(6)
+        m = await scrape(client)
+
+    up, chat = "default", "openai-chat"
+    requests = "streamfence_requests_total"
+    assert value(m, requests, upstream=up, dialect=chat, outcome="completed") == 2
+    assert value(m, requests, upstream=up, dialect=chat, outcome="superseded") == 1
+    assert value(m, requests, upstream=up, dialect=chat, outcome="upstream_error") == 1
+    assert value(m, requests, upstream=up, dialect=chat, outcome="client_gone") == 1
+    rejected = sum(
+        v
+        for (name, labels), v in m.items()
+        if name == requests and ("outcome", "rejected") in labels
+    )
+    assert rejected == 1
+    assert value(m, "streamfence_supersedes_total", upstream=up) == 1
+    assert value(m, "streamfence_upstream_errors_total", upstream=up, kind="protocol") == 1
+    assert value(m, "streamfence_streams_in_flight") == 0
+    assert value(m, "streamfence_fence_latency_seconds_count") == 1
+    assert 0 < value(m, "streamfence_fence_latency_seconds_sum") < 0.05
+    assert value(m, "streamfence_fence_latency_seconds_bucket", le="0.05") == 1
+    # Every request that got a first byte from the upstream has its added TTFB observed.
+    assert value(m, "streamfence_added_ttfb_seconds_count") >= 4
+    assert value(m, "streamfence_events_relayed_total", upstream=up) >= 5
+
+
+async def test_connection_failures_count_as_upstream_errors_of_kind_connect(
+    make_proxy: ProxyFactory,
+) -> None:
+    with socket.socket() as s:  # a port with nothing listening
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    async with make_proxy(dead) as proxy, proxy.client() as client:
+        response = await client.post(CHAT, json=chat_body("x"))
+        assert response.status_code == 502
+        m = await scrape(client)
+    assert value(m, "streamfence_upstream_errors_total", upstream="default", kind="connect") == 1
+    outcome = {"upstream": "default", "dialect": "openai-chat", "outcome": "upstream_error"}
+    assert value(m, "streamfence_requests_total", **outcome) == 1
+
+
+async def test_labels_never_carry_credentials_turn_ids_or_bodies(
+    proxy: Proxy, upstream: ScriptedUpstream
+) -> None:
+    secrets = {
+        "authorization": "Bearer sk-proj-SECRETKEY0123456789",
+        "x-api-key": "sk-ant-SECRET-anthropic-key",
+        "x-request-id": "req-SECRET-id-42",
+        "X-Turn-Id": "turn-SECRET-id-77",
+    }
+    body_marker = "BODY-SECRET-do-not-label"
+    async with proxy.client() as client:
+        first = await client.post(CHAT, json=chat_body(body_marker), headers=secrets)
+        second = await client.post(
+            "/v1/messages", json={"messages": [body_marker], "stream": True}, headers=secrets
+        )
+        text = (await client.get("/_streamfence/metrics")).text
+    turn = first.headers["x-streamfence-turn"]
+    for secret in [*secrets.values(), body_marker, turn, second.headers["x-streamfence-turn"]]:
+        assert secret not in text
+        assert secret.split()[-1] not in text
+    assert "SECRET" not in text
+    allowed = {"upstream", "dialect", "outcome", "kind", "le"}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            assert set(sample.labels) <= allowed, sample
+
+
+async def test_metrics_need_the_access_token_when_one_is_set(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory
+) -> None:
+    async with (
+        make_proxy(upstream.url, **{"server.access_token": "tok"}) as proxy,
+        proxy.client() as client,
+    ):
+        assert (await client.get("/_streamfence/metrics")).status_code == 401
+        bad = await client.get("/_streamfence/metrics", headers={"x-streamfence-token": "tok2"})
+        assert bad.status_code == 401
+        assert await scrape(client, **{"x-streamfence-token": "tok"})
+        # healthz stays open: orchestrators probe it without secrets
+        assert (await client.get("/_streamfence/healthz")).status_code == 200
+    assert upstream.seen == []
+
+
+def test_dropped_events_and_fence_latency_are_observed_from_the_record() -> None:
+    metrics = Metrics()
+    record = Record(method="POST", path=CHAT, upstream="u", dialect="anthropic")
+    record.outcome, record.dropped, record.events, record.fence_latency = "superseded", 3, 2, 0.002
+    metrics.observe(record)
+    m = parse(metrics.render().decode())
+    assert value(m, "streamfence_events_dropped_total", upstream="u") == 3
+    assert value(m, "streamfence_events_relayed_total", upstream="u") == 2
+    assert value(m, "streamfence_fence_latency_seconds_bucket", le="0.002") == 1
+    assert value(m, "streamfence_fence_latency_seconds_bucket", le="0.001") == 0
+    # Two apps in one process keep separate counts.
+    assert (
+        parse(Metrics().render().decode()).get(("streamfence_supersedes_total", frozenset()))
+        is None
+    )
