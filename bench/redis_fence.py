@@ -1,0 +1,176 @@
+"""Measure the Redis registry: cross-process fence latency and the time to first byte it adds.
+
+    python -m bench.redis_fence [--rounds 100] [--ttfb 300]
+
+Starts a private redis-server (loopback, no persistence), a scripted upstream in this
+process (tests/upstream.py) and streamfence as real subprocesses (`python -m proxy`):
+
+- fence: two proxies sharing Redis. An attempt streams through one and waits upstream; a
+  retry of its turn is sent through the other. Latency is from just before the retry is
+  sent to the moment the upstream sees the old attempt's connection close, both read
+  with time.perf_counter() in this process. Directions alternate. For reference, the
+  same measurement with both attempts on one in-memory proxy.
+- ttfb: the same streaming request (a fresh turn key each time, so every request claims)
+  sent in turn straight to the upstream, through an in-memory proxy and through a Redis
+  proxy; time to the first SSE event's bytes at the client. The added latency of Redis is
+  the difference of the proxies' medians.
+
+All numbers come from one shared machine: read them as orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.redis_server import free_port, running_redis
+from tests.upstream import ScriptedUpstream, serve
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAT = "/v1/chat/completions"
+
+
+@asynccontextmanager
+async def proxy_process(upstream: str, *extra: str) -> AsyncIterator[str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMFENCE_")}
+    args = [sys.executable, "-m", "proxy", "--upstream", upstream, "--port", str(port)]
+    args += ["--log-level", "warning", "--log-format", "text", *extra]
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            async with httpx.AsyncClient(timeout=1) as client:
+                deadline = time.monotonic() + 30
+                while True:
+                    if proc.poll() is not None:
+                        log.seek(0)
+                        raise RuntimeError(log.read().decode(errors="replace"))
+                    try:
+                        if (await client.get(url + "/_streamfence/readyz")).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("streamfence did not become ready")
+                    await asyncio.sleep(0.05)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(15)
+
+
+def body(prefix: str, **script: Any) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": prefix}],
+        "stream": True,
+        "script": {"prefix": prefix, **script},
+    }
+
+
+async def fence_round(
+    upstream: ScriptedUpstream, a: httpx.AsyncClient, b: httpx.AsyncClient, turn: str
+) -> float:
+    headers = {"X-Turn-Id": turn}
+    async with AsyncExitStack() as stack:
+        old = await stack.enter_async_context(
+            a.stream("POST", CHAT, json=body(f"{turn}-A", gated=True, tokens=5), headers=headers)
+        )
+        chunks = old.aiter_raw()
+        await anext(chunks)  # the first event: the old attempt is streaming
+        seen = next(s for s in reversed(upstream.seen) if s.script.prefix == f"{turn}-A")
+        sent = time.perf_counter()
+        retry = asyncio.create_task(
+            b.post(CHAT, json=body(f"{turn}-B", stream=False), headers=headers)
+        )
+        await asyncio.wait_for(seen.closed.wait(), 10)
+        assert seen.closed_at is not None
+        latency = seen.closed_at - sent
+        tail = b"".join([c async for c in chunks])
+        assert b"stream_superseded" in tail, tail
+        assert (await retry).status_code == 200
+    return latency
+
+
+async def ttfb_once(client: httpx.AsyncClient, turn: str) -> float:
+    start = time.perf_counter()
+    async with client.stream("POST", CHAT, json=body(turn, tokens=1), headers={"X-Turn-Id": turn}) as r:
+        async for chunk in r.aiter_raw():
+            if chunk:
+                first = time.perf_counter()
+                break
+        async for _ in r.aiter_raw():
+            pass
+    return first - start
+
+
+def describe(values: list[float]) -> str:
+    ms = sorted(v * 1000 for v in values)
+    p90 = ms[min(len(ms) - 1, int(len(ms) * 0.9))]
+    return (
+        f"median {statistics.median(ms):.2f} ms, p90 {p90:.2f} ms, worst {ms[-1]:.2f} ms "
+        f"(n={len(ms)})"
+    )
+
+
+async def main(rounds: int, ttfb_rounds: int) -> None:
+    upstream = ScriptedUpstream()
+    with running_redis() as redis:
+        async with serve(upstream) as (up_url, _server), AsyncExitStack() as stack:
+            upstream.url = up_url
+            ra = await stack.enter_async_context(proxy_process(up_url, "--registry-url", redis.url))
+            rb = await stack.enter_async_context(proxy_process(up_url, "--registry-url", redis.url))
+            mem = await stack.enter_async_context(proxy_process(up_url))
+            clients = {
+                name: await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=10))
+                for name, url in (("a", ra), ("b", rb), ("mem", mem), ("direct", up_url))
+            }
+            a, b, m = clients["a"], clients["b"], clients["mem"]
+            for i in range(5):  # warm up connections and code paths
+                await fence_round(upstream, a, b, f"warm-{i}")
+                await fence_round(upstream, m, m, f"warm-m-{i}")
+
+            cross = []
+            for i in range(rounds):
+                x, y = (a, b) if i % 2 == 0 else (b, a)
+                cross.append(await fence_round(upstream, x, y, f"cross-{i}"))
+            local = [await fence_round(upstream, m, m, f"local-{i}") for i in range(rounds)]
+            print(f"fence, two processes sharing Redis: {describe(cross)}")
+            print(f"fence, one process, memory registry: {describe(local)}")
+
+            ttfb: dict[str, list[float]] = {"direct": [], "mem": [], "a": []}
+            for i in range(ttfb_rounds + 20):
+                for name in ttfb:
+                    value = await ttfb_once(clients[name], f"ttfb-{name}-{i}")
+                    if i >= 20:  # the first few warm up
+                        ttfb[name].append(value)
+            print(f"ttfb, straight to the upstream:      {describe(ttfb['direct'])}")
+            print(f"ttfb, through streamfence (memory):  {describe(ttfb['mem'])}")
+            print(f"ttfb, through streamfence (redis):   {describe(ttfb['a'])}")
+            added = statistics.median(ttfb["a"]) - statistics.median(ttfb["mem"])
+            print(f"added by redis vs memory (difference of medians): {added * 1000:.2f} ms")
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.redis_fence")
+    parser.add_argument("--rounds", type=int, default=100, help="fence measurements")
+    parser.add_argument("--ttfb", type=int, default=300, help="ttfb requests per target")
+    args = parser.parse_args()
+    asyncio.run(main(args.rounds, args.ttfb))
+
+
+if __name__ == "__main__":
+    cli()

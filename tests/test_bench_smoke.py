@@ -1,0 +1,37 @@
+"""The benchmark at smoke size: every scenario completes against every target.
+
+Timing is not checked (CI machines vary); that every process starts, every stream ends
+with all its events and every supersede closes its upstream is.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_scenario_completes(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--quiet", "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        timeout=120,
+        stdout=subprocess.DEVNULL,
+    )
+    results = json.loads(out.read_text())
+    summary = results["summary"]
+    assert set(summary) == {"B1", "B2", "B3", "B4", "B5"}
+    for scenario in ("B1", "B2", "B3", "B4"):
+        assert {"direct", "streamfence"} <= set(summary[scenario])
+        for target, m in summary[scenario].items():
+            assert m["completed"] == m["requests"] > 0, (scenario, target, m)
+    fence = summary["B5"]["streamfence"]
+    assert fence["fenced"] == fence["supersedes"] > 0
+    assert fence["closes seen"] == fence["supersedes"]
+    assert fence["load completed"] == results["sizes"]["B5"]["load"]["n"]
+    assert summary["B3"]["streamfence"]["peak RSS MB"] > 0
