@@ -32,6 +32,9 @@ class ServerConfig:
     access_token: str = ""
     max_body_bytes: int = 32 * 1024 * 1024
     shutdown_grace: float = 10.0
+    # A client that keeps one write blocked this long (not reading) is dropped and its
+    # upstream closed; 0 waits for ever. Flow control already bounds what is buffered.
+    write_timeout: float = 60.0
     log_format: str = "json"
     workers: int = 1
 
@@ -239,6 +242,8 @@ def _check(config: Config) -> list[str]:
             "in one process, so a retry landing on another worker would fence nothing. "
             'Set [registry] backend = "redis"'
         )
+    if config.server.write_timeout < 0 or config.server.shutdown_grace < 0:
+        problems.append("server: write_timeout and shutdown_grace must not be negative")
     if config.server.max_body_bytes < 1:
         problems.append("server.max_body_bytes: must be positive")
     if not config.turns.header.strip():
@@ -258,8 +263,9 @@ def _check(config: Config) -> list[str]:
         if up.prefix in seen:
             problems.append(f"{where}.prefix: {up.prefix!r} is used by another upstream")
         seen.add(up.prefix)
-        if up.idle_timeout <= 0 or up.connect_timeout <= 0:
-            problems.append(f"{where}: timeouts must be positive")
+        for key in ("connect_timeout", "idle_timeout"):
+            if getattr(up, key) <= 0:
+                problems.append(f"{where}.{key}: must be positive")
     return problems
 
 

@@ -48,6 +48,7 @@ class Exchange:
     turn: TurnKey | None
     max_event_bytes: int
     extra_headers: list[tuple[bytes, bytes]]
+    write_timeout: float = 0.0  # seconds one client write may block; 0: no limit
 
 
 def error_response_parts(
@@ -101,6 +102,7 @@ class Relay:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._watch_disconnect, receive, tg.cancel_scope)
+                send = self._bounded(send, tg.cancel_scope)
                 await self._run(send)
                 self.done = True
                 tg.cancel_scope.cancel()
@@ -119,6 +121,26 @@ class Relay:
         if not self.done:
             self.client_gone = True
             scope.cancel()
+
+    def _bounded(self, send: Send, scope: anyio.CancelScope) -> Send:
+        """`send`, but a client that keeps one write blocked for write_timeout seconds is
+        dropped like one that left. While a write is blocked (uvicorn's flow control) the
+        relay reads nothing more from the upstream, so memory stays bounded; this caps how
+        long the upstream is held open for a client that does not read."""
+        timeout = self.ex.write_timeout
+        if not timeout:
+            return send
+
+        async def send_or_drop(message: Message) -> None:
+            with anyio.move_on_after(timeout) as waited:
+                await send(message)
+            if waited.cancelled_caught:
+                self.client_gone = True
+                self.record.error = "client_write_timeout"
+                scope.cancel()
+                await anyio.sleep(0)  # a checkpoint: the cancelled race ends here
+
+        return send_or_drop
 
     def abort(self, error: StreamfenceError) -> None:
         """End this stream with `error` (shutdown). Like a supersede, it stops the relay at
