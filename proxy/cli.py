@@ -137,16 +137,27 @@ def worker_app() -> Starlette:
 
 
 def check_config(argv: Sequence[str]) -> int:
-    if len(argv) != 1:
-        print("usage: streamfence check-config FILE", file=sys.stderr)
+    """Validate one file on its own (no environment, no flags): every problem, each with its
+    key path, then exit 1; or what the file sets up, then exit 0."""
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print(
+            "usage: streamfence check-config FILE\n"
+            "Checks FILE alone (environment and flags are not applied) and reports every\n"
+            "problem with its key path, e.g. upstream[0].url.",
+            file=sys.stderr,
+        )
         return 2
+    path = argv[0]
     try:
-        config = load(argv[0], env={})
+        config = load(path, env={})
     except ConfigError as exc:
         for problem in exc.problems:
-            print(f"error: {problem}", file=sys.stderr)
+            print(f"{path}: error: {problem}", file=sys.stderr)
+        print(f"{path}: {len(exc.problems)} problem(s) found", file=sys.stderr)
         return 1
-    print(f"{argv[0]}: ok, {len(config.upstream)} upstream(s)")
+    print(f"{path}: ok")
+    for line in startup_lines(config):
+        print(f"  {line.strip()}")
     return 0
 
 
