@@ -42,6 +42,10 @@ ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/v1/chat/completions"
 
 
+def _spawn(args: list[str], env: dict[str, str], log: Any) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
 @asynccontextmanager
 async def proxy_process(upstream: str, *extra: str) -> AsyncIterator[str]:
     port = free_port()
@@ -50,7 +54,7 @@ async def proxy_process(upstream: str, *extra: str) -> AsyncIterator[str]:
     args = [sys.executable, "-m", "proxy", "--upstream", upstream, "--port", str(port)]
     args += ["--log-level", "warning", "--log-format", "text", *extra]
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = _spawn(args, env, log)
         try:
             async with httpx.AsyncClient(timeout=1) as client:
                 deadline = time.monotonic() + 30
@@ -106,14 +110,13 @@ async def fence_round(
 
 
 async def ttfb_once(client: httpx.AsyncClient, turn: str) -> float:
-    start = time.perf_counter()
-    async with client.stream("POST", CHAT, json=body(turn, tokens=1), headers={"X-Turn-Id": turn}) as r:
+    start = first = time.perf_counter()
+    headers = {"X-Turn-Id": turn}
+    async with client.stream("POST", CHAT, json=body(turn, tokens=1), headers=headers) as r:
+        got_first = False
         async for chunk in r.aiter_raw():
-            if chunk:
-                first = time.perf_counter()
-                break
-        async for _ in r.aiter_raw():
-            pass
+            if chunk and not got_first:
+                first, got_first = time.perf_counter(), True
     return first - start
 
 

@@ -264,6 +264,31 @@ async def test_a_newer_claim_heard_before_the_own_reply_still_fences(
         await registry.close()
 
 
+async def test_a_claim_cancelled_after_redis_ran_it_leaves_no_entry(
+    redis_server: RedisServer,
+) -> None:
+    registry = RedisRegistry(RegistryConfig(backend="redis", url=redis_server.url))
+    await registry.start()
+    try:
+        async with redis_client(redis_server) as r:
+            claim = asyncio.create_task(registry.claim("gone"))
+            await asyncio.sleep(0)  # the script is on its way to Redis
+            claim.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await claim
+
+            async def settled() -> bool:
+                ran = await r.exists("streamfence:token") == 1
+                return ran and not registry._background
+
+            await _until(settled)
+            assert await r.exists(RedisRegistry.entry_key("gone")) == 0
+        assert registry.live_keys() == 0
+        assert (await registry.claim("gone")).attempt == 1
+    finally:
+        await registry.close()
+
+
 # -- two proxy processes ---------------------------------------------------------------
 
 

@@ -124,6 +124,7 @@ class RedisRegistry(Registry):
         self._unfenced = itertools.count(-1, -1)  # fail-open tokens: never a Redis token
         self._subscribed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
         self._warned_at = -WARN_EVERY
         self._suppressed = 0
 
@@ -144,6 +145,8 @@ class RedisRegistry(Registry):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
+        if self._background:
+            await asyncio.wait(self._background, timeout=COMMAND_TIMEOUT)
         await self._client.aclose()
 
     async def ready(self) -> bool:
@@ -169,10 +172,7 @@ class RedisRegistry(Registry):
         self._pending[key] = self._pending.get(key, 0) + 1
         try:
             with _translate("claim"):
-                token_raw, attempt_raw = await self._claim(
-                    keys=[self.entry_key(key), self._counter],
-                    args=[self.ttl_ms, self.channel, key],
-                )
+                token_raw, attempt_raw = await self._claim_shielded(key)
             early = self._early.get(key)
         except RegistryUnavailable:
             if not self.fail_open:
@@ -201,6 +201,29 @@ class RedisRegistry(Registry):
             lease.supersede(newer_attempt=early[1])
         return lease
 
+    async def _claim_shielded(self, key: str) -> list[Any]:
+        # The caller may be cancelled (its client left) after Redis ran the script: the
+        # entry it created must not be left to linger for a whole TTL.
+        call = asyncio.ensure_future(
+            self._claim(
+                keys=[self.entry_key(key), self._counter], args=[self.ttl_ms, self.channel, key]
+            )
+        )
+        try:
+            reply: list[Any] = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(lambda done: self._release_orphan(key, done))
+            raise
+        return reply
+
+    def _release_orphan(self, key: str, call: asyncio.Future[Any]) -> None:
+        if call.cancelled() or call.exception() is not None:
+            return
+        orphan = Lease(key, int(call.result()[0]), int(call.result()[1]))
+        task = asyncio.get_running_loop().create_task(self._release_entry(orphan))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     def _unfenced_lease(self, key: str) -> Lease:
         if self.unavailable_hook is not None:
             self.unavailable_hook()
@@ -225,6 +248,9 @@ class RedisRegistry(Registry):
             local.live -= 1
             if local.live <= 0:
                 del self._local[lease.key]
+        await self._release_entry(lease)
+
+    async def _release_entry(self, lease: Lease) -> None:
         try:
             with _translate("release"):
                 await self._release(keys=[self.entry_key(lease.key)], args=[str(lease.token)])
