@@ -8,11 +8,12 @@ import ipaddress
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from proxy import __version__
+from proxy import __version__, shutdown
 from proxy.config import Config, ConfigError, from_dict, load
 
 if TYPE_CHECKING:
@@ -74,11 +75,19 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _without_userinfo(url: str) -> str:
+    # A user:password in an upstream URL is a credential: never print it.
+    scheme, sep, rest = url.partition("://")
+    authority, slash, path = rest.partition("/")
+    return f"{scheme}{sep}{authority.rpartition('@')[2]}{slash}{path}"
+
+
 def startup_lines(config: Config) -> list[str]:
     s = config.server
     lines = [f"streamfence {__version__} listening on http://{s.host}:{s.port}"]
     for up in config.upstream:
-        lines.append(f"  upstream {up.name!r}: {up.prefix} -> {up.url} (dialect {up.dialect})")
+        url = _without_userinfo(up.url)
+        lines.append(f"  upstream {up.name!r}: {up.prefix} -> {url} (dialect {up.dialect})")
     reg = config.registry
     where = f" at {reg.url.split('@')[-1]}" if reg.backend == "redis" else ""
     lines.append(f"  registry: {reg.backend}{where}")
@@ -99,6 +108,7 @@ def serve(config: Config, log_level: str) -> int:
     setup_logging(log_level)
     for line in startup_lines(config):
         print(line, file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, shutdown.exit_cleanly)  # exit 0 after a graceful stop
     app: Any = None
     extra: dict[str, Any] = {}
     if config.server.workers > 1:
@@ -122,7 +132,8 @@ def serve(config: Config, log_level: str) -> int:
         log_level="warning",
         server_header=False,  # the upstream's own date and server headers pass through
         date_header=False,
-        timeout_graceful_shutdown=int(config.server.shutdown_grace) or None,
+        # Later than the app's own deadline (proxy.shutdown), which ends streams cleanly.
+        timeout_graceful_shutdown=shutdown.uvicorn_timeout(config.server.shutdown_grace),
     )
     return 0
 

@@ -1,0 +1,178 @@
+"""The request log (one line per finished request, JSON or text), the supersede line with
+both attempts, request ids, and the startup lines: over real HTTP, with secrets in the
+traffic that must never reach a log."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from contextlib import AsyncExitStack
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy import cli, logs
+from proxy.config import load
+from tests.conftest import ProxyFactory
+from tests.sse_client import chat_body, events
+from tests.upstream import ScriptedUpstream
+
+CHAT = "/v1/chat/completions"
+SECRET = "sk-proj-LOGSECRET-0123456789abcdef"
+TURN_ID = "turn-LOGSECRET-id"
+BODY = "BODY-LOGSECRET-prompt text"
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def json(self, msg: str) -> list[dict[str, Any]]:
+        parsed = [json.loads(line) for line in self.lines]
+        return [p for p in parsed if p["msg"] == msg]
+
+
+@pytest.fixture
+def log_lines() -> Iterator[Lines]:
+    logger = logging.getLogger("streamfence")
+    handler, level = Lines(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+async def _supersede_once(proxy_url: str, upstream: ScriptedUpstream) -> None:
+    headers = {"Authorization": f"Bearer {SECRET}", "X-Turn-Id": TURN_ID}
+    async with (
+        httpx.AsyncClient(base_url=proxy_url, timeout=10) as client,
+        AsyncExitStack() as stack,
+    ):
+        a = await stack.enter_async_context(
+            client.stream(
+                "POST",
+                CHAT,
+                json=chat_body(BODY, gated=True),
+                headers={**headers, "x-request-id": "req-a"},
+            )
+        )
+        a_events = events(a)
+        await anext(a_events)
+        b = await client.post(
+            CHAT, json=chat_body(BODY), headers={**headers, "x-request-id": "req-b"}
+        )
+        assert b.status_code == 200
+        assert [e async for e in a_events][-1].json["error"]["code"] == "stream_superseded"
+
+
+async def test_json_lines_for_each_request_and_the_supersede(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory, log_lines: Lines
+) -> None:
+    async with make_proxy(upstream.url) as proxy:
+        await _supersede_once(proxy.url, upstream)
+    requests = {r["request_id"]: r for r in log_lines.json("request")}
+    a, b = requests["req-a"], requests["req-b"]
+    for line in (a, b):
+        assert line["method"] == "POST" and line["path"] == CHAT
+        assert line["upstream"] == "default" and line["dialect"] == "openai-chat"
+        assert line["status"] == 200 and line["streaming"] is True
+        assert line["turn"] == a["turn"] and re.fullmatch(r"[0-9a-f]{16}", line["turn"])
+        assert line["ttfb_ms"] >= 0 and line["duration_ms"] >= line["ttfb_ms"]
+        assert isinstance(line["ts"], float)
+    assert (a["attempt"], a["outcome"], a["superseded_by"]) == (1, "superseded", 2)
+    assert a["error"] == "stream_superseded" and a["fence_latency_ms"] < 50
+    assert (b["attempt"], b["outcome"]) == (2, "completed")
+    assert b["events"] == 5 and b["bytes_out"] > 0  # 3 tokens, the finish chunk, [DONE]
+
+    (fenced,) = log_lines.json("superseded")
+    assert fenced["turn"] == a["turn"] and fenced["upstream"] == "default"
+    assert (fenced["attempt"], fenced["by_attempt"]) == (1, 2)
+    assert fenced["request_id"] == "req-a"
+    assert fenced["fence_latency_ms"] == a["fence_latency_ms"]
+
+    everything = "\n".join(log_lines.lines)
+    for secret in (SECRET, TURN_ID, "LOGSECRET", "prompt text"):
+        assert secret not in everything
+
+
+async def test_text_format_for_humans(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory, log_lines: Lines
+) -> None:
+    async with make_proxy(upstream.url, **{"server.log_format": "text"}) as proxy:
+        await _supersede_once(proxy.url, upstream)
+    stamp = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"
+    assert len(log_lines.lines) == 3
+    for line in log_lines.lines:
+        assert re.match(stamp + " msg=(request|superseded) ", line), line
+        assert "LOGSECRET" not in line
+    (fenced,) = [line for line in log_lines.lines if "msg=superseded" in line]
+    assert " attempt=1 by_attempt=2 " in fenced and "upstream=default" in fenced
+    request_a = next(
+        line for line in log_lines.lines if "msg=request" in line and "request_id=req-a" in line
+    )
+    assert "outcome=superseded" in request_a and f"path={CHAT}" in request_a
+
+
+def test_text_values_with_spaces_are_quoted() -> None:
+    record = logs.Record(method="GET", path="/a b", upstream="u")
+    line = logs.line(record, "text")
+    assert 'path="/a b"' in line and "method=GET" in line
+
+
+async def test_request_ids_are_passed_upstream_and_returned(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory, log_lines: Lines
+) -> None:
+    async with make_proxy(upstream.url) as proxy, proxy.client() as client:
+        given = await client.get("/v1/models", headers={"x-request-id": "caller-id-1"})
+        made = await client.get("/v1/models")
+        bad = await client.get("/v1/models", headers={"x-request-id": "x" * 200})
+    assert given.headers["x-request-id"] == "caller-id-1"
+    assert upstream.seen[0].headers["x-request-id"] == "caller-id-1"
+    made_id = made.headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", made_id)
+    assert upstream.seen[1].headers["x-request-id"] == made_id
+    assert re.fullmatch(r"[0-9a-f]{32}", bad.headers["x-request-id"])  # too long: replaced
+    ids = [line["request_id"] for line in log_lines.json("request")]
+    assert ids[:2] == ["caller-id-1", made_id]
+
+
+def test_startup_lines_say_where_which_upstreams_and_which_registry() -> None:
+    config = load(
+        env={},
+        overrides={
+            "server.port": 9999,
+            "upstream.0.url": "https://api.openai.com",
+            "upstream.1.url": "https://user:hunter2@gateway.example/v1",
+            "upstream.1.name": "gateway",
+            "upstream.1.prefix": "/gw",
+            "upstream.1.dialect": "anthropic",
+            "registry.backend": "redis",
+            "registry.url": "redis://:redispass@10.0.0.5:6379/2",
+        },
+    )
+    lines = cli.startup_lines(config)
+    text = "\n".join(lines)
+    assert lines[0].endswith("listening on http://127.0.0.1:9999")
+    assert "upstream 'default': / -> https://api.openai.com (dialect auto)" in text
+    assert "upstream 'gateway': /gw -> https://gateway.example/v1 (dialect anthropic)" in text
+    assert "registry: redis at 10.0.0.5:6379/2" in text
+    assert "hunter2" not in text and "redispass" not in text and "user:" not in text
+    assert "WARNING" not in text
+
+
+def test_startup_warns_about_an_open_port_without_a_token() -> None:
+    base = {"upstream.url": "https://api.openai.com", "server.host": "0.0.0.0"}
+    open_lines = cli.startup_lines(load(env={}, overrides=base))
+    assert open_lines[0].endswith("listening on http://0.0.0.0:8787")
+    assert open_lines[-1].startswith("WARNING: listening on 0.0.0.0")
+    guarded = cli.startup_lines(load(env={}, overrides={**base, "server.access_token": "t"}))
+    assert not any("WARNING" in line for line in guarded)
+    assert "registry: memory" in guarded[-1]
