@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route
 
-from proxy import dialects, logs, status, turns
+from proxy import dialects, logs, shutdown, status, turns
 from proxy.config import Config
 from proxy.errors import BodyTooLarge, NoRoute, StreamfenceError, Unauthorized
 from proxy.logs import Record
@@ -215,9 +215,12 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         runtime.client = create_client(transport)
         await runtime.registry.start()
+        drain = shutdown.Drain(runtime.active, config.server.shutdown_grace)
+        drain.install()  # on SIGTERM: streams still running after the grace get an error event
         try:
             yield
         finally:
+            drain.uninstall()
             await runtime.client.aclose()
             await runtime.registry.close()
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import httpx
 
 from proxy import dialects, upstream
@@ -138,7 +139,7 @@ class Relay:
                 self.client_gone = True
                 self.record.error = "client_write_timeout"
                 scope.cancel()
-                await anyio.sleep(0)  # a checkpoint: the cancelled race ends here
+                await anyio.lowlevel.checkpoint()  # the cancelled race ends here
 
         return send_or_drop
 

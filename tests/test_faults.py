@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import signal
 import socket
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -436,3 +439,112 @@ async def test_client_leaving_while_the_proxy_is_blocked_writing_to_it(
         [record] = await settled(p)
         assert record.outcome == "client_gone"
     assert not seen.finished
+
+
+# --- the proxy itself: SIGTERM ---------------------------------------------------------
+
+
+@asynccontextmanager
+async def proxy_process(upstream_url: str, grace: float) -> AsyncIterator[tuple[Any, str]]:
+    """`python -m proxy` as a real process on a free loopback port."""
+    port = free_port()
+    env = {**os.environ, "STREAMFENCE_SERVER_SHUTDOWN_GRACE": str(grace)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "proxy",
+        "--upstream",
+        upstream_url,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        env=env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient(base_url=url) as probe, asyncio.timeout(20):
+            for _ in range(2000):
+                try:
+                    if (await probe.get("/_streamfence/healthz")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    await asyncio.sleep(0.02)  # the process is still starting
+        yield proc, url
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def refused(url: str) -> bool:
+    """Whether a new connection to `url` is refused (or closed before any answer)."""
+    async with httpx.AsyncClient(base_url=url, timeout=2) as c:
+        try:
+            await c.get("/_streamfence/healthz")
+        except httpx.TransportError:
+            return True
+    return False
+
+
+async def test_sigterm_stops_accepting_and_lets_running_streams_finish(
+    upstream: ScriptedUpstream,
+) -> None:
+    loop = asyncio.get_running_loop()
+    async with proxy_process(upstream.url, grace=20) as (proc, url):
+        async with httpx.AsyncClient(base_url=url, timeout=20) as client:
+            async with client.stream(
+                "POST", CHAT, json=chat_body(gated=True, tokens=4), headers={"X-Turn-Id": "t"}
+            ) as r:
+                it = events(r)
+                assert (await anext(it)).text == "0 "
+                proc.send_signal(signal.SIGTERM)
+                signalled = loop.time()
+                async with asyncio.timeout(5):
+                    while not await refused(url):  # uvicorn closes its listener within ~0.1 s
+                        pass
+                upstream.seen[0].release(10)
+                rest = [e async for e in it]
+        code = await asyncio.wait_for(proc.wait(), 15)
+        stderr = (await proc.stderr.read()).decode()  # type: ignore[union-attr]
+    assert "".join(e.text for e in rest) == "1 2 3 "
+    assert rest[-1].data == "[DONE]"
+    assert code == 0, stderr
+    assert loop.time() - signalled < 10  # it did not wait out the grace period
+    assert "Traceback" not in stderr
+
+
+async def test_sigterm_ends_streams_still_running_after_the_grace_with_an_error_event(
+    upstream: ScriptedUpstream,
+) -> None:
+    loop = asyncio.get_running_loop()
+    async with proxy_process(upstream.url, grace=0.5) as (proc, url):
+        async with httpx.AsyncClient(base_url=url, timeout=20) as client:
+            waiting = asyncio.create_task(
+                client.post(MESSAGES, json=chat_body(hold_headers=True), headers={"X-Turn-Id": "w"})
+            )
+            async with client.stream(
+                "POST", CHAT, json=chat_body(gated=True, tokens=9), headers={"X-Turn-Id": "s"}
+            ) as r:
+                it = events(r)
+                await anext(it)
+                await upstream.wait_requests(2)
+                proc.send_signal(signal.SIGTERM)
+                signalled = loop.time()
+                rest = [e async for e in it]
+            before_headers = await waiting
+        code = await asyncio.wait_for(proc.wait(), 15)
+        stderr = (await proc.stderr.read()).decode()  # type: ignore[union-attr]
+    for seen in upstream.seen:
+        await asyncio.wait_for(seen.closed.wait(), 5)  # closed, not drained
+    # Mid-stream: one error event in the stream's dialect, never a success terminator.
+    assert [e.json["error"]["code"] for e in rest] == ["shutting_down"]
+    assert rest[0].json["choices"] == []
+    # Before headers: a 503 in the caller's dialect (Anthropic, for /v1/messages).
+    assert before_headers.status_code == 503
+    assert before_headers.json()["error"]["type"] == "shutting_down"
+    assert code == 0, stderr
+    assert 0.4 < loop.time() - signalled < 3.5
+    assert "Traceback" not in stderr

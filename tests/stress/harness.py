@@ -17,7 +17,10 @@ WAIT_LIMIT = 60.0  # seconds: a hang fails the test instead of the whole run
 def busy_upstream_connections(runtime: Runtime) -> int:
     """Upstream connections the proxy's pool still has in use (not idle, not closed)."""
     assert runtime.client is not None
-    pool = runtime.client._transport._pool  # type: ignore[attr-defined]
+    transport = runtime.client._transport
+    if hasattr(transport, "in_use"):  # proxy.transport.Transport, the default
+        return int(transport.in_use())
+    pool = transport._pool  # type: ignore[attr-defined]
     return sum(1 for c in pool.connections if not (c.is_idle() or c.is_closed()))
 
 
