@@ -18,7 +18,7 @@ import hmac
 import json
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -162,19 +162,38 @@ async def feed(
     if not token_ok(request, token):
         return _denied()
 
+    # Set by sse-starlette when uvicorn is told to exit: the feed says goodbye and ends
+    # cleanly, so an open tab never holds a shutdown for the grace period.
+    stopping = anyio.Event()
+
     async def snapshots() -> AsyncIterator[dict[str, str]]:
-        while True:
+        while not stopping.is_set():
             snap = board.snapshot(active)
             yield {"event": "status", "data": json.dumps(snap, separators=(",", ":"))}
             # Idle: wait for a change (pings keep the connection). Busy: tick for the ages.
             with anyio.move_on_after(REFRESH_SECONDS if snap["in_flight"] else PING_SECONDS * 4):
-                await board.wait()
+                await _first(board.wait, stopping.wait)
+        yield {"event": "shutdown", "data": "{}"}
 
     return EventSourceResponse(
         snapshots(),
         ping=PING_SECONDS,
         headers={"cache-control": "no-store", "x-accel-buffering": "no"},
+        shutdown_event=stopping,
+        shutdown_grace_period=1.0,
     )
+
+
+async def _first(*waits: Callable[[], Awaitable[object]]) -> None:
+    """Until the first of `waits` returns."""
+    async with anyio.create_task_group() as tg:
+
+        async def one(wait: Callable[[], Awaitable[object]]) -> None:
+            await wait()
+            tg.cancel_scope.cancel()
+
+        for wait in waits:
+            tg.start_soon(one, wait)
 
 
 _SCRIPT = r"""
@@ -233,6 +252,10 @@ function connect() {
     $("state").textContent = "live";
     $("state").className = "live";
     show(JSON.parse(e.data));
+  });
+  es.addEventListener("shutdown", () => {
+    $("state").textContent = "proxy stopping";
+    $("state").className = "down";
   });
   es.onerror = () => { $("state").textContent = "reconnecting"; $("state").className = "down"; };
 }

@@ -3,7 +3,13 @@ flight and after it is superseded, the access token, and that nothing secret rea
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
+import socket
+import sys
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack
 from typing import Any
@@ -38,6 +44,8 @@ def reset_sse_starlette() -> Iterator[None]:
 
 async def _snapshots(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
     async for event in events(response):
+        if event.event == "shutdown":
+            return
         assert event.event == "status"
         yield event.json
 
@@ -158,3 +166,42 @@ async def test_status_page_is_not_forwarded_and_plain_metrics_is(
     assert forwarded.status_code == 200
     assert forwarded.json()["path"] == "/metrics"
     assert [s.path for s in upstream.seen] == ["/metrics"]
+
+
+async def test_sigterm_ends_open_feeds_so_shutdown_does_not_wait_for_them(
+    upstream: ScriptedUpstream,
+) -> None:
+    """A browser tab left open on the status page must not hold a shutdown for the whole
+    grace period: sse-starlette ends its streams on uvicorn's exit signal."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "--upstream", upstream.url, "--port", str(port),
+        env={**os.environ, "STREAMFENCE_SERVER_SHUTDOWN_GRACE": "30"},
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            for _ in range(200):  # until uvicorn has bound the port
+                try:
+                    await client.get("/_streamfence/healthz")
+                    break
+                except httpx.ConnectError:
+                    await asyncio.sleep(0.05)
+            async with client.stream("GET", "/_streamfence/feed") as feed:
+                feed_events = events(feed)
+                assert (await anext(feed_events)).event == "status"
+                started = time.perf_counter()
+                proc.send_signal(signal.SIGTERM)
+                # The feed ends cleanly (its shutdown event, then the end of the body),
+                # rather than hanging for the 30 s grace period.
+                rest = [e async for e in feed_events]
+            assert rest[-1].event == "shutdown"
+            assert await asyncio.wait_for(proc.wait(), 10) == 0
+            assert time.perf_counter() - started < 5
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
