@@ -1,5 +1,16 @@
-"""Prometheus metrics. Labels carry upstream names, dialects, outcomes and error kinds only:
-never a credential, a turn id or a body.
+"""Prometheus metrics, served at /_streamfence/metrics. Labels carry upstream names,
+dialects, outcomes and error kinds only: never a credential, a turn id or a body.
+
+    streamfence_requests_total{upstream,dialect,outcome}   finished requests; outcome is
+        completed | superseded | client_gone | upstream_error | rejected
+    streamfence_streams_in_flight                          requests being served now
+    streamfence_supersedes_total{upstream}                 attempts fenced by a newer one
+    streamfence_events_dropped_total{upstream}             events the fence kept back
+    streamfence_events_relayed_total{upstream}             SSE events written to clients
+    streamfence_fence_latency_seconds                      newer claim -> old upstream closed
+    streamfence_added_ttfb_seconds                         time to first byte the proxy adds
+    streamfence_upstream_errors_total{upstream,kind}       connect | timeout | protocol | malformed
+    streamfence_registry_unavailable_total                 forwarded unfenced (fail_open)
 
 Each app has its own CollectorRegistry, so several apps (tests, workers) never collide.
 """
