@@ -264,6 +264,37 @@ async def test_a_newer_claim_heard_before_the_own_reply_still_fences(
         await registry.close()
 
 
+async def test_entries_outlive_the_ttl_while_held_and_missed_claims_are_caught_up(
+    redis_server: RedisServer,
+) -> None:
+    ttl = 0.3
+    config = RegistryConfig(backend="redis", url=redis_server.url, lease_ttl=ttl)
+    registry = RedisRegistry(config)
+    await registry.start()
+    try:
+        await asyncio.wait_for(registry.wait_subscribed(), 5)
+        l1 = await registry.claim("k")
+        l2 = await registry.claim("k")
+        # The same process: fenced at once, in the claimer's task, not via Redis.
+        assert l1.superseded and l1.newer_attempt == 2 and not l2.superseded
+        assert registry.live_keys() == 1
+        entry = RedisRegistry.entry_key("k")
+        async with redis_client(redis_server) as r:
+            await asyncio.sleep(ttl * 3)  # a time-based property: only refreshes keep it
+            assert await r.exists(entry) == 1
+            assert 0 < await r.pttl(entry) <= ttl * 1000
+            # A newer claim whose message this process never heard (it was not subscribed):
+            await r.hset(entry, mapping={"token": str(l2.token + 1), "attempt": "7"})
+            await registry._refresh_all()
+            assert l2.superseded and l2.newer_attempt == 7
+            await registry.release(l1)
+            await registry.release(l2)
+            assert registry.live_keys() == 0
+            assert await r.exists(entry) == 1  # not ours to delete: the newer claim holds it
+    finally:
+        await registry.close()
+
+
 async def test_a_claim_cancelled_after_redis_ran_it_leaves_no_entry(
     redis_server: RedisServer,
 ) -> None:
