@@ -136,10 +136,22 @@ async def proxy_processes(
     ]
     try:
         await asyncio.gather(*(p.ready() for p in procs))
+        await _wait_subscribers(server, n)
         yield procs
     finally:
         for p in procs:
             p.stop()
+
+
+async def _wait_subscribers(server: RedisServer, n: int) -> None:
+    """Until n processes listen for claims (readyz does not say so in fail_open mode)."""
+    async with redis_client(server) as r:
+
+        async def subscribed() -> bool:
+            [(_, count)] = await r.pubsub_numsub("streamfence:0:claims")
+            return bool(count == n)
+
+        await _until(subscribed, within=20)
 
 
 def _superseded(event: Event) -> bool:
@@ -389,13 +401,7 @@ async def test_two_workers_share_the_redis_registry(
     proc = ProxyProcess(upstream.url, redis_server.url, tmp_path / "w.log", "--workers", "2")
     try:
         await proc.ready()
-        async with redis_client(redis_server) as r:
-
-            async def both_subscribed() -> bool:
-                [(_, count)] = await r.pubsub_numsub("streamfence:0:claims")
-                return bool(count == 2)
-
-            await _until(both_subscribed, within=20)
+        await _wait_subscribers(redis_server, 2)
         # Separate clients: separate connections, spread by the kernel over the workers.
         for i in range(4):
             async with proc.client() as a, proc.client() as b:
@@ -417,6 +423,13 @@ async def _wait_unsubscribed(*proxies: Proxy) -> None:
             return not reg.subscribed
 
         await _until(gone)
+
+
+async def _wait_resubscribed(*proxies: Proxy) -> None:
+    for p in proxies:
+        registry = p.runtime.registry
+        assert isinstance(registry, RedisRegistry)
+        await asyncio.wait_for(registry.wait_subscribed(), 5)
 
 
 async def _wait_ready(*proxies: Proxy) -> None:
@@ -442,7 +455,8 @@ async def test_redis_down_fail_open_forwards_unfenced_then_fencing_resumes(
         _, a_events = await _open_gated(stack, a, "down", "before")
         redis_server.kill()
         await _wait_unsubscribed(pa, pb)
-        assert (await a.get("/_streamfence/readyz")).status_code == 503
+        # Still serving (unfenced), so still ready: availability first.
+        assert (await a.get("/_streamfence/readyz")).status_code == 200
         # Unfenced: the retry is forwarded, and the attempt in flight is not fenced.
         retry = await asyncio.wait_for(
             b.post(CHAT, json=chat_body(stream=False), headers={"X-Turn-Id": "down"}), 5
@@ -460,7 +474,7 @@ async def test_redis_down_fail_open_forwards_unfenced_then_fencing_resumes(
         )
 
         await redis_server.astart()
-        await _wait_ready(pa, pb)
+        await _wait_resubscribed(pa, pb)
         await _fence_once(a, b, upstream, "after")
         await _fence_once(b, a, upstream, "after-2")
     assert pa.runtime.registry.live_keys() == 0
@@ -480,6 +494,7 @@ async def test_redis_down_fail_closed_refuses_keyed_requests_then_fencing_resume
         _, a_events = await _open_gated(stack, a, "down", "inflight")
         redis_server.kill()
         await _wait_unsubscribed(pa, pb)
+        assert (await a.get("/_streamfence/readyz")).status_code == 503
         before = len(upstream.seen)
         refused = await asyncio.wait_for(
             b.post(CHAT, json=chat_body(stream=False), headers={"X-Turn-Id": "down"}), 5
@@ -495,8 +510,10 @@ async def test_redis_down_fail_closed_refuses_keyed_requests_then_fencing_resume
         assert rest[-1].data == "[DONE]" and not any(e.is_error for e in rest)
 
         await redis_server.astart()
-        await _wait_ready(pa, pb)
+        await _wait_resubscribed(pa, pb)
+        # The first claims after the restart succeed: stale pooled connections are redialled.
         await _fence_once(b, a, upstream, "after")
+        await _wait_ready(pa, pb)
     assert pa.runtime.registry.live_keys() == 0 and pb.runtime.registry.live_keys() == 0
 
 

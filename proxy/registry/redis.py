@@ -30,6 +30,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from proxy.config import RegistryConfig
@@ -108,8 +109,9 @@ class RedisRegistry(Registry):
             config.url,
             socket_connect_timeout=CONNECT_TIMEOUT,
             socket_timeout=COMMAND_TIMEOUT,
-            # No retries: a claim either answers now or the fail mode decides.
-            retry=Retry(NoBackoff(), 0),
+            # One retry, on a connection error only: after Redis restarts, each pooled
+            # connection is dead once. A timeout is not retried: the fail mode decides.
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
         db = self._client.connection_pool.connection_kwargs.get("db", 0)
         # Pub/sub ignores the database number: keep deployments on other dbs apart.
@@ -150,6 +152,10 @@ class RedisRegistry(Registry):
         await self._client.aclose()
 
     async def ready(self) -> bool:
+        if self.fail_open:
+            # Availability first: without Redis this process still serves, unfenced (logged
+            # and counted). Reporting "not ready" would take every replica out of rotation.
+            return True
         if not self._subscribed.is_set():
             return False
         try:
