@@ -36,6 +36,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+from redis.asyncio import Redis
 
 from tests.redis_server import free_port, running_redis
 from tests.upstream import ScriptedUpstream
@@ -113,6 +114,19 @@ async def proxy_process(upstream: str, *extra: str) -> AsyncIterator[str]:
             proc.wait(15)
 
 
+async def wait_subscribers(redis_url: str, n: int) -> None:
+    # readyz is 200 in fail_open mode before the subscription is live; count listeners.
+    client = Redis.from_url(redis_url)
+    try:
+        deadline = time.monotonic() + 30
+        while (await client.pubsub_numsub("streamfence:0:claims"))[0][1] < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the proxies did not subscribe")
+            await asyncio.sleep(0.05)
+    finally:
+        await client.aclose()
+
+
 def body(prefix: str, **script: Any) -> dict[str, Any]:
     return {
         "model": "m",
@@ -174,6 +188,7 @@ async def main(rounds: int, ttfb_rounds: int) -> None:
             ra = await stack.enter_async_context(proxy_process(up_url, "--registry-url", redis.url))
             rb = await stack.enter_async_context(proxy_process(up_url, "--registry-url", redis.url))
             mem = await stack.enter_async_context(proxy_process(up_url))
+            await wait_subscribers(redis.url, 2)
             clients = {
                 name: await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=10))
                 for name, url in (("a", ra), ("b", rb), ("mem", mem), ("direct", up_url))
