@@ -85,11 +85,15 @@ def _without_userinfo(url: str) -> str:
 def startup_lines(config: Config) -> list[str]:
     s = config.server
     lines = [f"streamfence {__version__} listening on http://{s.host}:{s.port}"]
+    if s.workers > 1:
+        lines[0] += f" ({s.workers} workers)"
     for up in config.upstream:
         url = _without_userinfo(up.url)
         lines.append(f"  upstream {up.name!r}: {up.prefix} -> {url} (dialect {up.dialect})")
     reg = config.registry
-    where = f" at {reg.url.split('@')[-1]}" if reg.backend == "redis" else ""
+    where = ""
+    if reg.backend == "redis":
+        where = f" at {reg.url.split('@')[-1]} ({reg.on_unavailable} when unreachable)"
     lines.append(f"  registry: {reg.backend}{where}")
     if not _is_loopback(s.host) and not s.access_token:
         lines.append(

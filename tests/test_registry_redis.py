@@ -408,7 +408,9 @@ async def test_two_workers_share_the_redis_registry(
                 await _fence_once(a, b, upstream, f"w-{i}")
     finally:
         proc.stop()
-    assert proc.proc.returncode == 0, proc.log.read_text()
+    log = proc.log.read_text()
+    assert proc.proc.returncode == 0, log
+    assert "(2 workers)" in log and "registry: redis at 127.0.0.1" in log
 
 
 # -- Redis going away --------------------------------------------------------------------
