@@ -296,14 +296,16 @@ class RedisRegistry(Registry):
             except RegistryUnavailable as exc:
                 if self._subscribed.is_set():
                     log.warning("%s; fencing across processes paused", exc.message)
-                self._subscribed.clear()
+            except Exception:  # a bug here must not end fencing across processes for good
+                log.exception("streamfence: the registry subscriber failed; reconnecting")
             finally:
+                if self._subscribed.is_set():
+                    delay = RECONNECT_MIN  # it was up: retry soon, back off from there
+                self._subscribed.clear()
                 with contextlib.suppress(RedisError, OSError, TimeoutError):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
             await asyncio.sleep(delay)
             delay = min(delay * 2, RECONNECT_MAX)
-            if self._subscribed.is_set():
-                delay = RECONNECT_MIN
 
     async def _listen(self, pubsub: PubSub) -> None:
         await pubsub.subscribe(self.channel)
@@ -335,8 +337,12 @@ class RedisRegistry(Registry):
         every = max(0.05, self.ttl_ms / 3000)
         while True:
             await asyncio.sleep(every)
-            with contextlib.suppress(RegistryUnavailable):
+            try:
                 await self._refresh_all()
+            except RegistryUnavailable:
+                pass  # entries live on until their TTL; the next round tries again
+            except Exception:  # as in the subscriber: keep refreshing whatever happened
+                log.exception("streamfence: refreshing registry entries failed")
 
     async def _refresh_all(self) -> None:
         """Extend the TTL of every entry this process holds, and fence any local holder
