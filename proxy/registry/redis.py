@@ -3,7 +3,9 @@
 Claiming runs one Lua script: take a fencing token, make it the key's holder (with a TTL,
 so a crashed process leaves nothing behind for longer than `lease_ttl`) and publish the
 claim. Each process holds one subscription; a claim message supersedes the local lease of
-that key whose token is lower, so the per-event check stays a local attribute read.
+that key whose token is lower, so the per-event check stays a local attribute read. Across
+processes an older attempt is fenced when it hears the claim (about a millisecond on one
+host; bench/redis_fence.py measures it), not at the instant of the claim.
 
 Tokens come from one counter that never goes below Redis's clock in microseconds: a Redis
 restarted without its data (or from an older snapshot) still hands out tokens above every
