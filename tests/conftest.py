@@ -14,10 +14,12 @@ from proxy.config import load
 from tests.upstream import ScriptedUpstream, serve
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if inspect.iscoroutinefunction(getattr(item, "function", None)):
-            item.add_marker(pytest.mark.anyio)
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object) -> None:
+    # Every coroutine test runs under anyio (asyncio backend). Marked at collection, before
+    # parametrization, so that @pytest.mark.parametrize still applies.
+    if inspect.iscoroutinefunction(obj) and name.startswith("test"):
+        pytest.mark.anyio(obj)
 
 
 @pytest.fixture
