@@ -77,12 +77,13 @@ class SSESplitter:
 
 
 def _split_lf(buf: bytes) -> tuple[list[bytes], bytes]:
-    # The common case (no "\r" anywhere): one C-level split, no regex.
-    end = buf.rfind(b"\n\n")
-    if end < 0:
+    # The common case (no "\r" anywhere): one C-level split, no regex. Boundaries are found
+    # left to right like _BOUNDARY does, so that "\n\n\n" ends the event after two newlines
+    # whichever path (and chunking) saw it.
+    if b"\n\n" not in buf:
         return [], buf
-    parts = buf[:end].split(b"\n\n")
-    return [p + b"\n\n" for p in parts], buf[end + 2 :]
+    *parts, rest = buf.split(b"\n\n")
+    return [p + b"\n\n" for p in parts], rest
 
 
 def _split_general(buf: bytes) -> tuple[list[bytes], bytes]:
