@@ -2,19 +2,19 @@
 
 Claiming runs one Lua script: take a fencing token, make it the key's holder (with a TTL,
 so a crashed process leaves nothing behind for longer than `lease_ttl`) and publish the
-claim. Each process holds one subscription; a claim message supersedes the local lease of
-that key whose token is lower, so the per-event check stays a local attribute read. Across
-processes an older attempt is fenced when it hears the claim (about a millisecond on one
-host; bench/redis_fence.py measures it), not at the instant of the claim.
+claim with the token of the holder it replaced. Each process holds one subscription; a
+claim message supersedes the local lease it replaced, so the per-event check stays a local
+attribute read. That process then publishes an acknowledgement, and the claim returns only
+once the replaced attempt's process has confirmed (or after ACK_WAIT, if it is gone): so,
+as within one process, no event of the older attempt is started after the newer one is
+accepted. Only a retry whose predecessor lives in another process waits for this.
 
 Tokens come from one counter that never goes below Redis's clock in microseconds: a Redis
-restarted without its data (or from an older snapshot) still hands out tokens above every
-token issued before, and "lower token" keeps meaning "older claim".
+restarted without its data still hands out tokens above every token issued before.
 
-Redis errors are translated here, and only here, into `RegistryUnavailable`. With
-`on_unavailable = "fail_open"` a claim that cannot reach Redis returns a lease that is
-never superseded (the request is forwarded unfenced, counted and logged); with
-"fail_closed" the claim raises and the caller gets a 503.
+Redis errors become `RegistryUnavailable` here, and only here. `fail_open`: a claim that
+cannot reach Redis returns a lease never superseded (forwarded unfenced, counted, logged);
+`fail_closed`: the claim raises and the caller gets a 503.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,7 @@ log = logging.getLogger("streamfence")
 PREFIX = "streamfence:"
 CONNECT_TIMEOUT = 0.5  # a claim sits in front of the first byte: fail fast, not late
 COMMAND_TIMEOUT = 1.0
+ACK_WAIT = 0.05  # the longest a claim waits for another process to confirm a fence
 RECONNECT_MIN, RECONNECT_MAX = 0.05, 0.5
 IDLE_PING = 5.0  # seconds without traffic before the subscriber checks its connection
 WARN_EVERY = 5.0  # seconds between "forwarding unfenced" warnings while Redis is down
@@ -58,13 +60,14 @@ if token < floor then
   redis.call('SET', KEYS[2], string.format('%d', token))
 end
 local tok = string.format('%d', token)
-local prev = redis.call('HGET', KEYS[1], 'attempt')
+local prev = redis.call('HMGET', KEYS[1], 'token', 'attempt')
 local attempt = 1
-if prev then attempt = tonumber(prev) + 1 end
+if prev[2] then attempt = tonumber(prev[2]) + 1 end
+local before = prev[1] or '0'
 redis.call('HSET', KEYS[1], 'token', tok, 'attempt', attempt)
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
-redis.call('PUBLISH', ARGV[2], tok .. ' ' .. attempt .. ' ' .. ARGV[3])
-return {tok, attempt}
+redis.call('PUBLISH', ARGV[2], 'c ' .. tok .. ' ' .. attempt .. ' ' .. before .. ' ' .. ARGV[3])
+return {tok, attempt, before}
 """
 
 # KEYS: turn entry. ARGV: token. A stale release (a newer attempt holds the key) is a no-op.
@@ -88,6 +91,25 @@ return cur
 class _Local:
     holder: Lease  # the newest lease this process holds for the key
     live: int  # claimed here and not yet released, superseded ones included
+
+
+class _Recent:
+    """The last `size` tokens seen: the handshake only ever looks a few milliseconds back."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self._set: set[int] = set()
+        self._order: deque[int] = deque()
+        self._size = size
+
+    def add(self, token: int) -> None:
+        if token not in self._set:
+            self._set.add(token)
+            self._order.append(token)
+            if len(self._order) > self._size:
+                self._set.discard(self._order.popleft())
+
+    def __contains__(self, token: int) -> bool:
+        return token in self._set
 
 
 @contextlib.contextmanager
@@ -123,12 +145,16 @@ class RedisRegistry(Registry):
         self._release = self._client.register_script(RELEASE)
         self._refresh = self._client.register_script(REFRESH)
         self._local: dict[str, _Local] = {}
+        self._by_token: dict[int, Lease] = {}  # claimed here and not yet released
+        self._ended = _Recent()  # released here: confirmed as fenced if asked
+        self._acked = _Recent()  # confirmed fenced by whichever process held them
+        self._waiters: dict[int, list[asyncio.Future[None]]] = {}
         self._pending: dict[str, int] = {}  # claims in flight per key
         self._early: dict[str, tuple[int, int]] = {}  # newest claim heard for a pending key
         self._unfenced = itertools.count(-1, -1)  # fail-open tokens: never a Redis token
         self._subscribed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[Any]] = set()
         self._warned_at = -WARN_EVERY
         self._suppressed = 0
 
@@ -180,7 +206,7 @@ class RedisRegistry(Registry):
         self._pending[key] = self._pending.get(key, 0) + 1
         try:
             with _translate("claim"):
-                token_raw, attempt_raw = await self._claim_shielded(key)
+                token_raw, attempt_raw, prev_raw = await self._claim_shielded(key)
             early = self._early.get(key)
         except RegistryUnavailable:
             if not self.fail_open:
@@ -194,6 +220,7 @@ class RedisRegistry(Registry):
                 del self._pending[key]
                 self._early.pop(key, None)
         lease = Lease(key, int(token_raw), int(attempt_raw))
+        self._by_token[lease.token] = lease
         local = self._local.get(key)
         if local is None:
             self._local[key] = _Local(lease, 1)
@@ -207,6 +234,17 @@ class RedisRegistry(Registry):
         if early is not None and early[0] > lease.token:
             # Another process's newer claim was heard before this claim's own reply.
             lease.supersede(newer_attempt=early[1])
+            self._ack(lease.token)
+        prev = int(prev_raw)
+        replaced = self._by_token.get(prev)
+        if replaced is not None:  # this process's own: fenced here and now
+            replaced.supersede(newer_attempt=lease.attempt)
+        elif prev and prev not in self._ended:
+            try:
+                await self._confirmed(prev, lease)
+            except asyncio.CancelledError:
+                self._spawn(self.release(lease))  # the caller is gone: so is its lease
+                raise
         return lease
 
     async def _claim_shielded(self, key: str) -> list[Any]:
@@ -228,7 +266,43 @@ class RedisRegistry(Registry):
         if call.cancelled() or call.exception() is not None:
             return
         orphan = Lease(key, int(call.result()[0]), int(call.result()[1]))
-        task = asyncio.get_running_loop().create_task(self._release_entry(orphan))
+        self._ended.add(orphan.token)
+        self._spawn(self._release_entry(orphan))
+
+    async def _confirmed(self, prev: int, lease: Lease) -> None:
+        """Until the process holding `prev` (replaced by `lease`) says it is fenced."""
+        if prev in self._acked:
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(prev, []).append(waiter)
+        try:
+            await asyncio.wait_for(waiter, ACK_WAIT)
+        except TimeoutError:
+            # Its process is gone, or cut off from Redis: nothing to wait for any longer.
+            log.warning(
+                "streamfence: turn %s: the older attempt's process did not confirm its fence "
+                "within %d ms; going ahead",
+                lease.key[:16],
+                ACK_WAIT * 1000,
+            )
+        finally:
+            waiters = self._waiters.get(prev, [])
+            if waiter in waiters:
+                waiters.remove(waiter)
+            if not waiters:
+                self._waiters.pop(prev, None)
+
+    def _ack(self, token: int) -> None:
+        """Tell the claimer that replaced `token` that its attempt is fenced here."""
+
+        async def publish() -> None:
+            with contextlib.suppress(RegistryUnavailable), _translate("confirm"):
+                await self._client.publish(self.channel, f"f {token}")
+
+        self._spawn(publish())
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -251,6 +325,9 @@ class RedisRegistry(Registry):
     async def release(self, lease: Lease) -> None:
         if lease.token < 0:
             return  # forwarded unfenced: never entered the registry
+        if self._by_token.pop(lease.token, None) is None:
+            return  # released already
+        self._ended.add(lease.token)
         local = self._local.get(lease.key)
         if local is not None:
             local.live -= 1
@@ -269,22 +346,39 @@ class RedisRegistry(Registry):
     def live_keys(self) -> int:
         return len(self._local)
 
-    def _heard(self, token: int, attempt: int, key: str) -> None:
-        """A claim made anywhere (this process included) for `key`."""
+    def _heard(self, token: int, attempt: int, prev: int, key: str) -> None:
+        """A claim made anywhere (this process included) for `key`, replacing `prev`."""
         local = self._local.get(key)
         if local is not None and local.holder.token < token:
             local.holder.supersede(newer_attempt=attempt)
+        replaced = self._by_token.get(prev)
+        if replaced is not None:
+            replaced.supersede(newer_attempt=attempt)
+            if token not in self._by_token:  # a claim of this process needs no message
+                self._ack(prev)
+        elif prev in self._ended:
+            self._ack(prev)
         if key in self._pending:
             early = self._early.get(key)
             if early is None or early[0] < token:
                 self._early[key] = (token, attempt)
 
+    def _confirmed_by_holder(self, token: int) -> None:
+        self._acked.add(token)
+        for waiter in self._waiters.pop(token, []):
+            if not waiter.done():
+                waiter.set_result(None)
+
     def _on_message(self, message: dict[str, Any]) -> None:
         if message.get("type") != "message":
             return
         try:
-            token, attempt, key = message["data"].decode().split(" ", 2)
-            self._heard(int(token), int(attempt), key)
+            kind, _, rest = message["data"].decode().partition(" ")
+            if kind == "c":
+                token, attempt, prev, key = rest.split(" ", 3)
+                self._heard(int(token), int(attempt), int(prev), key)
+            elif kind == "f":
+                self._confirmed_by_holder(int(rest))
         except (ValueError, UnicodeDecodeError):
             log.warning("streamfence: ignored a malformed message on %s", self.channel)
 
@@ -364,3 +458,4 @@ class RedisRegistry(Registry):
         for lease, (token, attempt) in zip(holders, replies, strict=True):
             if token is not None and int(token) > lease.token:
                 lease.supersede(newer_attempt=int(attempt))
+                self._ack(lease.token)
