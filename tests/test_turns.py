@@ -1,0 +1,250 @@
+"""proxy.turns: which requests are attempts of the same turn (CONTRACT section 3)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.errors import BadRequest
+from proxy.turns import TurnKey, credential_scope, explicit_turn_id, fingerprint, resolve
+
+HEADER = b"x-turn-id"
+IGNORE = ("stream", "stream_options", "timeout")
+BODY = {
+    "model": "gpt-4o",
+    "messages": [{"role": "user", "content": "hi"}],
+    "stream": True,
+}
+
+
+def key(
+    headers: list[tuple[bytes, bytes]] | None = None,
+    body: Any = BODY,
+    *,
+    query: str = "",
+    route: str = "default",
+    path: str = "/v1/chat/completions",
+    use_fingerprint: bool = True,
+) -> TurnKey | None:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return resolve(
+        list(headers or []),
+        query,
+        raw,
+        header_name=HEADER,
+        route=route,
+        path=path,
+        use_fingerprint=use_fingerprint,
+        ignore_fields=IGNORE,
+    )
+
+
+# --- the explicit header ------------------------------------------------------------------
+
+
+def test_explicit_turn_id_wins_over_the_fingerprint() -> None:
+    a = key([(HEADER, b"turn-1")])
+    b = key([(HEADER, b"turn-1")], {"messages": ["something else entirely"]})
+    assert a is not None and a.source == "header"
+    assert a == b
+    assert key([(HEADER, b"turn-2")]) != a
+    fp = key()
+    assert fp is not None and fp.source == "fingerprint" and fp != a
+
+
+def test_explicit_turn_id_works_without_fingerprinting_and_without_a_body() -> None:
+    a = key([(HEADER, b"t")], b"", use_fingerprint=False)
+    assert a is not None and a.source == "header"
+    assert key([], use_fingerprint=False) is None
+
+
+@pytest.mark.parametrize("value", [b"none", b"NONE", b"None", b" none "])
+def test_none_opts_out(value: bytes) -> None:
+    assert key([(HEADER, value)]) is None
+
+
+def test_surrounding_whitespace_is_not_part_of_the_id() -> None:
+    assert key([(HEADER, b"  abc ")]) == key([(HEADER, b"abc")])
+
+
+@pytest.mark.parametrize(
+    ("headers", "problem"),
+    [
+        ([(HEADER, b"")], "must not be empty"),
+        ([(HEADER, b"   ")], "must not be empty"),
+        ([(HEADER, b"x" * 257)], "over 256 bytes"),
+        ([(HEADER, b"a\x00b")], "control characters"),
+        ([(HEADER, b"a\x1fb")], "control characters"),
+        ([(HEADER, b"a\tb")], "control characters"),
+        ([(HEADER, b"a\x7fb")], "control characters"),
+        ([(HEADER, b"a"), (HEADER, b"a")], "at most once"),
+        ([(HEADER, b"none"), (HEADER, b"b")], "at most once"),
+    ],
+)
+def test_bad_turn_ids_are_bad_requests(headers: list[tuple[bytes, bytes]], problem: str) -> None:
+    with pytest.raises(BadRequest) as caught:
+        key(headers)
+    assert problem in caught.value.message
+    assert caught.value.status == 400
+    assert "x-turn-id" in caught.value.message
+
+
+def test_turn_id_limits_are_exact() -> None:
+    assert explicit_turn_id([(HEADER, b"x" * 256)], HEADER) == b"x" * 256
+    assert explicit_turn_id([(HEADER, "caf\u00e9".encode())], HEADER) == "caf\u00e9".encode()
+    assert explicit_turn_id([(b"other", b"x")], HEADER) is None
+
+
+def test_header_name_is_configurable() -> None:
+    headers = [(b"x-my-turn", b"t1")]
+    assert explicit_turn_id(headers, b"x-my-turn") == b"t1"
+    assert explicit_turn_id(headers, HEADER) is None
+
+
+# --- the fingerprint ----------------------------------------------------------------------
+
+
+def test_fingerprint_ignores_volatile_fields_key_order_and_whitespace() -> None:
+    base = key()
+    assert base is not None
+    variants = [
+        {**BODY, "stream": False},
+        {k: v for k, v in BODY.items() if k != "stream"},
+        {**BODY, "stream_options": {"include_usage": True}},
+        {**BODY, "timeout": 30},
+        dict(reversed(list(BODY.items()))),
+    ]
+    for variant in variants:
+        assert key(body=variant) == base, variant
+    spaced = json.dumps(BODY, indent=4).encode()
+    assert key(body=spaced) == base
+
+
+def test_fingerprint_changes_with_messages_path_and_route() -> None:
+    base = key()
+    next_turn = {**BODY, "messages": [*BODY["messages"], {"role": "assistant", "content": "x"}]}
+    others = [
+        key(body=next_turn),
+        key(body={**BODY, "model": "gpt-4o-mini"}),
+        key(path="/v1/responses"),
+        key(route="other"),
+    ]
+    assert base is not None
+    assert len({base, *others}) == 5
+
+
+def test_ignore_fields_are_top_level_only_and_configurable() -> None:
+    nested = {**BODY, "metadata": {"stream": 1}}
+    assert key(body=nested) != key(body={**BODY, "metadata": {"stream": 2}})
+    a = fingerprint("r", "/p", json.dumps({"a": 1, "seed": 1}).encode(), ["seed"])
+    b = fingerprint("r", "/p", json.dumps({"a": 1, "seed": 2}).encode(), ["seed"])
+    assert a is not None and a == b
+
+
+@pytest.mark.parametrize("body", [b"", b"not json", b"{", b"\xff\xfe", b"data=1&b=2"])
+def test_no_json_body_means_no_key(body: bytes) -> None:
+    assert key(body=body) is None
+
+
+def test_fingerprinting_can_be_switched_off() -> None:
+    assert key(use_fingerprint=False) is None
+
+
+def test_json_that_is_not_an_object_still_fingerprints() -> None:
+    assert key(body=[1, 2]) is not None
+    assert key(body=[1, 2]) != key(body=[2, 1])
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=3)
+    ),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=st.dictionaries(st.text(max_size=6), JSON, max_size=5), volatile=JSON)
+def test_fingerprint_is_a_function_of_the_parsed_body_alone(
+    body: dict[str, Any], volatile: Any
+) -> None:
+    plain = json.dumps(body).encode()
+    shuffled = json.dumps(dict(reversed(list(body.items()))), indent=2).encode()
+    escaped = json.dumps({**body, "stream": volatile}, ensure_ascii=True).encode()
+    prints = {fingerprint("r", "/p", raw, IGNORE) for raw in (plain, shuffled, escaped)}
+    without = {k: v for k, v in body.items() if k not in IGNORE}
+    assert prints == {fingerprint("r", "/p", json.dumps(without).encode(), IGNORE)}
+    assert None not in prints
+
+
+# --- credential scoping -------------------------------------------------------------------
+
+CREDENTIALS = [
+    ("authorization", b"Bearer sk-AAAA"),
+    ("x-api-key", b"sk-ant-AAAA"),
+    ("api-key", b"azure-AAAA"),
+    ("x-goog-api-key", b"goog-AAAA"),
+]
+
+
+@pytest.mark.parametrize(("name", "secret"), CREDENTIALS)
+def test_same_turn_under_different_credentials_gives_different_keys(
+    name: str, secret: bytes
+) -> None:
+    other = secret.replace(b"AAAA", b"BBBB")
+    for extra in ([(HEADER, b"turn-1")], []):
+        mine = key([(name.encode(), secret), *extra])
+        theirs = key([(name.encode(), other), *extra])
+        anonymous = key(list(extra))
+        assert mine is not None and theirs is not None and anonymous is not None
+        assert len({mine, theirs, anonymous}) == 3
+        assert key([(name.encode(), secret), *extra]) == mine  # stable
+
+
+def test_query_key_scopes_like_a_header() -> None:
+    turn = [(HEADER, b"t")]
+    a = key(turn, query="alt=sse&key=goog-AAAA")
+    b = key(turn, query="key=goog-BBBB&alt=sse")
+    assert len({a, b, key(turn, query="alt=sse")}) == 3
+    assert key(turn, query="key=goog-AAAA") == a  # other parameters do not matter
+    assert key(turn, query="apikey=goog-AAAA") == key(turn)  # only `key` is a credential
+
+
+def test_credential_header_and_value_both_count() -> None:
+    assert credential_scope([(b"authorization", b"k")]) != credential_scope([(b"x-api-key", b"k")])
+    assert credential_scope([]) == "anonymous"
+    assert credential_scope([(b"content-type", b"application/json")]) == "anonymous"
+    both = [(b"authorization", b"a"), (b"x-api-key", b"b")]
+    assert credential_scope(both) == credential_scope(both[::-1])
+
+
+@pytest.mark.parametrize(("name", "secret"), CREDENTIALS)
+def test_raw_credential_never_appears_in_the_turn_key(name: str, secret: bytes) -> None:
+    for extra in ([(HEADER, b"turn-1")], []):
+        turn = key([(name.encode(), secret), *extra])
+        assert turn is not None
+        for text in (turn.key, turn.short, repr(turn), str(turn)):
+            assert "AAAA" not in text and secret.decode() not in text
+    turn = key([(HEADER, b"t")], query="key=goog-AAAA")
+    assert turn is not None and "AAAA" not in repr(turn)
+    assert "AAAA" not in credential_scope([], "key=goog-AAAA")
+
+
+def test_key_is_hex_sha256_and_short_is_its_prefix() -> None:
+    turn = key([(HEADER, b"t"), (b"authorization", b"Bearer x")])
+    assert turn is not None
+    assert len(turn.key) == 64 and int(turn.key, 16) >= 0
+    assert turn.short == turn.key[:16]
+    assert turn.key.startswith(turn.short)
+
+
+def test_header_and_fingerprint_keys_never_collide() -> None:
+    # A turn id equal to a body's fingerprint must not land on the same key.
+    fp = fingerprint("default", "/v1/chat/completions", json.dumps(BODY).encode(), IGNORE)
+    assert fp is not None
+    assert key([(HEADER, fp.encode())]) != key()
