@@ -1,0 +1,292 @@
+"""proxy.dialects: detection, the superseded/error frame of each dialect (CONTRACT section 4)
+and the JSON error bodies."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+
+from proxy import dialects
+from proxy.dialects import (
+    ANTHROPIC,
+    DIALECTS,
+    GEMINI,
+    OPENAI_CHAT,
+    OPENAI_RESPONSES,
+    SSE,
+    detect,
+    error_body,
+    stream_error_frame,
+)
+from proxy.errors import (
+    BadRequest,
+    MalformedStream,
+    NoRoute,
+    StreamfenceError,
+    Superseded,
+    UpstreamTimeout,
+)
+from proxy.sse import SSESplitter
+from tests.test_sse import reference_events
+
+# --- detection ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "dialect"),
+    [
+        ("/v1/chat/completions", OPENAI_CHAT),
+        ("/api/v1/chat/completions", OPENAI_CHAT),  # OpenRouter
+        ("/openai/deployments/gpt4/chat/completions", OPENAI_CHAT),  # Azure
+        ("/v1/completions", OPENAI_CHAT),  # legacy completions stream the same chunks
+        ("/v1/responses", OPENAI_RESPONSES),
+        ("/v1/responses/resp_123", OPENAI_RESPONSES),
+        ("/v1/messages", ANTHROPIC),
+        ("/v1beta/models/gemini-2.0-flash:streamGenerateContent", GEMINI),
+        ("/v1beta/models/gemini-2.0-flash:streamGenerateContent?alt=sse", GEMINI),
+        ("/v1beta/models/gemini-2.0-flash:generateContent", GEMINI),
+        ("/v1/models", SSE),
+        ("/", SSE),
+        ("/v1/embeddings", SSE),
+        ("/events", SSE),
+    ],
+)
+def test_detect_from_the_path(path: str, dialect: str) -> None:
+    assert detect(path) == dialect
+    assert detect(path, "auto") == dialect
+
+
+@pytest.mark.parametrize("configured", DIALECTS)
+def test_configured_dialect_overrides_the_path(configured: str) -> None:
+    assert detect("/v1/chat/completions", configured) == configured
+    assert detect("/whatever", configured) == configured
+
+
+# --- stream error frames ------------------------------------------------------------------
+
+FORBIDDEN = (
+    "terminated",
+    "connection lost",
+    "network error",
+    "peer closed",
+    "broken pipe",
+    "reset",
+)
+SUCCESS = (b"[DONE]", b"response.completed", b"message_stop")
+
+CHAT_CHUNK = (
+    b'data: {"id":"chatcmpl-9","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"gpt-4o-2024","system_fingerprint":"fp_1","service_tier":"default",'
+    b'"choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n'
+)
+RESPONSES_EVENT = (
+    b"event: response.output_text.delta\n"
+    b'data: {"type":"response.output_text.delta","sequence_number":41,"delta":"x"}\n\n'
+)
+ANTHROPIC_EVENT = (
+    b"event: content_block_delta\n"
+    b'data: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"x"}}'
+    b"\n\n"
+)
+GEMINI_EVENT = b'data: {"candidates":[{"content":{"parts":[{"text":"x"}]}}]}\r\n\r\n'
+LAST = {
+    OPENAI_CHAT: CHAT_CHUNK,
+    OPENAI_RESPONSES: RESPONSES_EVENT,
+    ANTHROPIC: ANTHROPIC_EVENT,
+    GEMINI: GEMINI_EVENT,
+    SSE: b"data: hello\n\n",
+}
+ERRORS: list[StreamfenceError] = [
+    Superseded(1, 2),
+    Superseded(3),
+    MalformedStream("streamfence: the upstream sent an SSE event that is not UTF-8"),
+    UpstreamTimeout("streamfence: the upstream sent nothing for 600 s"),
+]
+
+
+def parse_frame(frame: bytes) -> tuple[str, dict[str, Any]]:
+    # Valid SSE: one whole event, as a client reads it.
+    assert SSESplitter().feed(frame) == [frame]
+    (event,) = reference_events(frame)
+    parsed = json.loads(event.data)
+    assert isinstance(parsed, dict)
+    return event.type, parsed
+
+
+def strings(obj: Any) -> list[str]:
+    if isinstance(obj, str):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, list):
+        return [s for item in obj for s in strings(item)]
+    return []
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+@pytest.mark.parametrize("last", [True, False], ids=["after-events", "first"])
+@pytest.mark.parametrize("error", ERRORS, ids=lambda e: type(e).__name__)
+def test_frame_is_one_valid_event_and_never_a_success_terminator(
+    dialect: str, last: bool, error: StreamfenceError
+) -> None:
+    frame = stream_error_frame(dialect, error, LAST[dialect] if last else None)
+    event_type, body = parse_frame(frame)
+    for terminator in SUCCESS:
+        assert terminator not in frame
+    assert error.message in strings(body)
+    if dialect == OPENAI_CHAT:
+        assert event_type == "message"  # openai-python only looks at data-only events here
+    else:
+        assert event_type == "error"
+
+
+def test_chat_frame_shape_copies_the_last_chunk() -> None:
+    error = Superseded(1, 2)
+    _, body = parse_frame(stream_error_frame(OPENAI_CHAT, error, CHAT_CHUNK))
+    assert body == {
+        "id": "chatcmpl-9",
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": "gpt-4o-2024",
+        "system_fingerprint": "fp_1",
+        "choices": [],
+        "error": {
+            "type": "stream_superseded",
+            "code": "stream_superseded",
+            "message": error.message,
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    "last", [None, b": comment\n\n", b"data: not json\n\n", b"data: [1]\n\n", b"\xff\n\n"]
+)
+def test_chat_frame_without_a_usable_last_chunk(last: bytes | None) -> None:
+    _, body = parse_frame(stream_error_frame(OPENAI_CHAT, Superseded(1), last))
+    assert body["object"] == "chat.completion.chunk"
+    assert body["choices"] == []
+    assert body["error"]["code"] == "stream_superseded"
+    assert "id" not in body and "model" not in body
+
+
+def test_responses_frame_shape_and_sequence_number() -> None:
+    error = Superseded(2, 3)
+    event_type, body = parse_frame(stream_error_frame(OPENAI_RESPONSES, error, RESPONSES_EVENT))
+    inner = {"type": "stream_superseded", "code": "stream_superseded", "message": error.message}
+    assert event_type == "error"
+    assert body == {
+        "type": "error",
+        "code": "stream_superseded",
+        "message": error.message,
+        "param": None,
+        "sequence_number": 42,
+        "error": {**inner, "param": None},
+    }
+
+
+@pytest.mark.parametrize(
+    ("last", "expected"),
+    [
+        (None, 0),
+        (b'data: {"type":"response.created","sequence_number":0}\n\n', 1),
+        (b'data: {"type":"response.in_progress"}\n\n', 0),
+        (b'data: {"sequence_number":"7"}\n\n', 0),
+    ],
+)
+def test_responses_sequence_number_follows_the_last_event(
+    last: bytes | None, expected: int
+) -> None:
+    _, body = parse_frame(stream_error_frame(OPENAI_RESPONSES, Superseded(1), last))
+    assert body["sequence_number"] == expected
+
+
+def test_anthropic_frame_shape() -> None:
+    error = Superseded(1, 2)
+    event_type, body = parse_frame(stream_error_frame(ANTHROPIC, error, ANTHROPIC_EVENT))
+    assert event_type == "error"
+    assert body == {
+        "type": "error",
+        "error": {"type": "stream_superseded", "message": error.message},
+    }
+
+
+@pytest.mark.parametrize("dialect", [GEMINI, SSE])
+def test_gemini_and_generic_frame_shape(dialect: str) -> None:
+    error = Superseded(1, 2)
+    event_type, body = parse_frame(stream_error_frame(dialect, error, LAST[dialect]))
+    assert event_type == "error"
+    assert body == {"error": {"code": 409, "status": "ABORTED", "message": error.message}}
+    _, failed = parse_frame(stream_error_frame(dialect, UpstreamTimeout("slow"), None))
+    assert failed == {"error": {"code": 504, "status": "DEADLINE_EXCEEDED", "message": "slow"}}
+
+
+@pytest.mark.parametrize("attempt", [1, 2, 17])
+@pytest.mark.parametrize("newer", [None, 2, 18])
+def test_superseded_message_has_no_words_of_a_transient_fault(
+    attempt: int, newer: int | None
+) -> None:
+    message = Superseded(attempt, newer).message
+    for word in FORBIDDEN:
+        assert word not in message.lower(), word
+    assert re.search(rf"\battempt {attempt}\b", message)
+    assert "superseded" in message
+    if newer is not None:
+        assert f"attempt {newer}" in message
+    for dialect in DIALECTS:
+        frame = stream_error_frame(dialect, Superseded(attempt, newer), None).decode().lower()
+        body = error_body(dialect, Superseded(attempt, newer)).decode().lower()
+        for word in FORBIDDEN:
+            assert word not in frame and word not in body, (dialect, word)
+
+
+def test_message_with_quotes_and_newlines_stays_one_event() -> None:
+    error = MalformedStream('bad "event"\nsecond line\r\nthird \u2603')
+    for dialect in DIALECTS:
+        _, body = parse_frame(stream_error_frame(dialect, error, None))
+        assert error.message in strings(body)
+
+
+# --- error bodies -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("error", [Superseded(1, 2), BadRequest("bad"), NoRoute("nowhere")])
+def test_error_body_shapes(error: StreamfenceError) -> None:
+    openai = {
+        "error": {"message": error.message, "type": error.code, "param": None, "code": error.code}
+    }
+    assert json.loads(error_body(OPENAI_CHAT, error)) == openai
+    assert json.loads(error_body(OPENAI_RESPONSES, error)) == openai
+    assert json.loads(error_body(SSE, error)) == openai
+    assert json.loads(error_body(ANTHROPIC, error)) == {
+        "type": "error",
+        "error": {"type": error.code, "message": error.message},
+    }
+    gemini = json.loads(error_body(GEMINI, error))
+    assert gemini["error"]["code"] == error.status
+    assert gemini["error"]["message"] == error.message
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (Superseded(1), "ABORTED"),
+        (BadRequest("x"), "INVALID_ARGUMENT"),
+        (NoRoute("x"), "NOT_FOUND"),
+        (MalformedStream("x"), "UNAVAILABLE"),
+        (UpstreamTimeout("x"), "DEADLINE_EXCEEDED"),
+        (StreamfenceError("x"), "INTERNAL"),
+    ],
+)
+def test_gemini_status_names(error: StreamfenceError, status: str) -> None:
+    assert json.loads(error_body(GEMINI, error))["error"]["status"] == status
+
+
+def test_bodies_are_utf8_json_without_escaping_text() -> None:
+    error = BadRequest("caf\u00e9")
+    for dialect in dialects.DIALECTS:
+        raw = error_body(dialect, error)
+        assert "caf\u00e9".encode() in raw
+        json.loads(raw)
