@@ -23,17 +23,22 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route
 
 from proxy import dialects, logs, shutdown, status, turns
-from proxy.config import Config
+from proxy.config import Config, UpstreamConfig
 from proxy.errors import BodyTooLarge, NoRoute, StreamfenceError, Unauthorized
+from proxy.join import JoinRelay
 from proxy.logs import Record
 from proxy.metrics import Metrics
 from proxy.registry import MemoryRegistry, Registry
 from proxy.relay import Exchange, Receive, Relay, Send, error_response_parts
 from proxy.routing import RESERVED_PREFIX, Router, request_headers
+from proxy.turnstream import Budget, JoinPolicy, StreamTable
 from proxy.upstream import create_client, timeout_for
 
 ACCESS_TOKEN_HEADER = b"x-streamfence-token"
 REQUEST_ID_HEADER = b"x-request-id"
+LAST_EVENT_ID = b"last-event-id"
+# join/adaptive upstreams: the stream to take over, the body's hash, where to resume
+JoinPlan = tuple[StreamTable, str, int | None]
 log = logging.getLogger("streamfence")
 
 
@@ -55,6 +60,12 @@ class Runtime:
         self.drop_headers = {self.turn_header, ACCESS_TOKEN_HEADER}
         self.token = config.server.access_token.encode()
         self.active: set[Relay] = set()  # in flight: for the status page and shutdown
+        budget = Budget(config.server.join_buffer_total_bytes)
+        self.join_tables = {
+            up.name: StreamTable(_join_policy(up), budget)
+            for up in config.upstream
+            if up.on_retry != "supersede"
+        }
         self.status = status.StatusBoard()
 
     def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
@@ -99,7 +110,7 @@ class ProxyEndpoint:
         record.dialect = dialects.detect(path)
         own = [(REQUEST_ID_HEADER, request_id.encode())]
         try:
-            exchange = await self._accept(path, query, headers, receive, record, own)
+            exchange, plan = await self._accept(path, query, headers, receive, record, own)
         except ClientLeft:
             record.outcome = "client_gone"
             rt.finished(record, None)
@@ -112,7 +123,21 @@ class ProxyEndpoint:
             rt.finished(record, None)
             return
         assert rt.client is not None
-        relay = Relay(exchange, rt.client, rt.registry, record, rt.finished)
+        relay: Relay
+        if plan is None:
+            relay = Relay(exchange, rt.client, rt.registry, record, rt.finished)
+        else:
+            table, body_hash, last_event_id = plan
+            relay = JoinRelay(
+                exchange,
+                rt.client,
+                rt.registry,
+                record,
+                rt.finished,
+                table=table,
+                body_hash=body_hash,
+                last_event_id=last_event_id,
+            )
         rt.active.add(relay)
         rt.status.changed()
         try:
@@ -128,7 +153,7 @@ class ProxyEndpoint:
         receive: Receive,
         record: Record,
         own: list[tuple[bytes, bytes]],
-    ) -> Exchange:
+    ) -> tuple[Exchange, JoinPlan | None]:
         rt = self.rt
         if path == RESERVED_PREFIX or path.startswith(RESERVED_PREFIX + "/"):
             raise NoRoute("streamfence: no such endpoint under /_streamfence/")
@@ -154,7 +179,9 @@ class ProxyEndpoint:
         if turn is not None:
             record.turn = turn.short
         assert rt.client is not None
-        out_headers = request_headers(headers, rt.drop_headers)
+        plan = self._join_plan(up.name, turn, route.path, body, headers)
+        drop = rt.drop_headers if plan is None else rt.drop_headers | {LAST_EVENT_ID}
+        out_headers = request_headers(headers, drop)
         if not any(n == REQUEST_ID_HEADER for n, _ in out_headers):
             out_headers.append((REQUEST_ID_HEADER, record.request_id.encode()))
         request = rt.client.build_request(
@@ -164,7 +191,7 @@ class ProxyEndpoint:
             content=body,
             timeout=timeout_for(up),
         )
-        return Exchange(
+        exchange = Exchange(
             request=request,
             upstream_name=up.name,
             dialect=record.dialect,
@@ -173,6 +200,37 @@ class ProxyEndpoint:
             extra_headers=own,
             write_timeout=rt.config.server.write_timeout,
         )
+        return exchange, plan
+
+    def _join_plan(
+        self,
+        name: str,
+        turn: turns.TurnKey | None,
+        path: str,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+    ) -> JoinPlan | None:
+        """For join/adaptive upstreams: the table, the body's canonical hash (what "an
+        identical retry" means) and the Last-Event-ID to resume after, if any."""
+        table = self.rt.join_tables.get(name)
+        if table is None or turn is None:
+            return None
+        body_hash = turns.fingerprint(name, path, body, self.rt.config.turns.ignore_fields)
+        if body_hash is None:
+            return None
+        raw = next((v for n, v in headers if n == LAST_EVENT_ID), None)
+        last_event_id = int(raw) if raw is not None and raw.strip().isdigit() else None
+        return table, body_hash, last_event_id
+
+
+def _join_policy(up: UpstreamConfig) -> JoinPolicy:
+    return JoinPolicy(
+        mode=up.on_retry,
+        healthy_within=up.healthy_within,
+        replay_window=up.replay_window,
+        replay_fingerprints=up.replay_fingerprints,
+        buffer_bytes=up.join_buffer_bytes,
+    )
 
 
 def _request_id(headers: list[tuple[bytes, bytes]]) -> str:

@@ -37,6 +37,8 @@ class ServerConfig:
     write_timeout: float = 60.0
     log_format: str = "json"
     workers: int = 1
+    # All join/replay buffers of the process together (on_retry = join | adaptive).
+    join_buffer_total_bytes: int = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,11 @@ class UpstreamConfig:
     connect_timeout: float = 10.0
     idle_timeout: float = 600.0
     max_event_bytes: int = 16 * 1024 * 1024
+    # on_retry = adaptive: join a running stream only if it showed life this recently.
+    healthy_within: float = 10.0
+    replay_window: float = 0.0  # seconds a finished stream stays replayable; 0: never
+    replay_fingerprints: bool = False  # replay for fingerprint keys too, not only X-Turn-Id
+    join_buffer_bytes: int = 8 * 1024 * 1024  # per stream; over it, retries supersede
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ class Record:
     outcome: str = "pending"  # completed | superseded | client_gone | upstream_error | rejected
     error: str = ""  # an errors.* code when the request failed
     streaming: bool = False
+    source: str = "upstream"  # upstream | joined | resumed | replayed (proxy/join.py)
     bytes_out: int = 0
     events: int = 0
     dropped: int = 0

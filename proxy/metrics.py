@@ -64,6 +64,13 @@ class Metrics:
             ["upstream", "kind"],
             registry=r,
         )
+        self.served_from_stream = Counter(
+            "streamfence_retries_served_from_stream",
+            "Retries answered from a running or recorded stream instead of a new upstream "
+            "generation (joined, resumed, replayed): each one is an upstream generation saved",
+            ["upstream", "how"],
+            registry=r,
+        )
         self.registry_unavailable = Counter(
             "streamfence_registry_unavailable",
             "Requests forwarded without fencing because the registry was unreachable",
@@ -85,6 +92,8 @@ class Metrics:
             self.added_ttfb.observe(max(0.0, record.added_ttfb))
         if error_kind is not None:
             self.upstream_errors.labels(up, error_kind).inc()
+        if record.source != "upstream":
+            self.served_from_stream.labels(up, record.source).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
