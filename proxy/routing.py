@@ -49,7 +49,10 @@ class Router:
         self._upstreams = sorted(upstreams, key=lambda u: len(u.prefix.rstrip("/")), reverse=True)
 
     def route(self, raw_path: str, query: str) -> Route:
-        if "/../" in raw_path + "/" or "/./" in raw_path + "/":
+        # An encoded dot is a dot to the upstream (RFC 3986 section 6.2.2.2): "%2e%2e" must
+        # not climb out of an upstream's base path where ".." may not.
+        dotted = raw_path.replace("%2e", ".").replace("%2E", ".") + "/"
+        if "/../" in dotted or "/./" in dotted:
             raise BadRequest("streamfence: the request path must not contain dot segments")
         for upstream in self._upstreams:
             rest = _strip_prefix(upstream.prefix, raw_path)
