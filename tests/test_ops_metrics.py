@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.logs import Record
 from proxy.metrics import Metrics
+from proxy.registry import MemoryRegistry
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import chat_body, events
 from tests.upstream import ScriptedUpstream
@@ -194,3 +195,25 @@ def test_dropped_events_and_fence_latency_are_observed_from_the_record() -> None
     # Two apps in one process keep separate counts.
     fresh = parse(Metrics().render().decode())
     assert value(fresh, "streamfence_events_dropped_total", upstream="u") == 0
+
+
+class NotReady(MemoryRegistry):
+    async def ready(self) -> bool:
+        return False
+
+
+async def test_health_and_readiness_probes(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory
+) -> None:
+    async with make_proxy(upstream.url) as proxy, proxy.client() as client:
+        assert (await client.get("/_streamfence/healthz")).json() == {"status": "ok"}
+        ready = await client.get("/_streamfence/readyz")
+        assert (ready.status_code, ready.json()) == (200, {"status": "ready"})
+    async with (
+        make_proxy(upstream.url, _app={"registry": NotReady()}) as proxy,
+        proxy.client() as client,
+    ):
+        # Alive but not ready: orchestrators keep it running and send it no traffic.
+        assert (await client.get("/_streamfence/healthz")).status_code == 200
+        assert (await client.get("/_streamfence/readyz")).status_code == 503
+    assert upstream.seen == []
