@@ -11,7 +11,9 @@ from proxy.registry.base import Lease, Registry
 @dataclass(slots=True)
 class _Entry:
     holder: Lease
-    live: int  # claimed and not yet released, superseded ones included
+    # Tokens claimed and not yet released, superseded ones included. A set, not a count, so
+    # that releasing a lease twice (or one of the key's previous life) frees nothing else.
+    live: set[int]
 
 
 class MemoryRegistry(Registry):
@@ -26,11 +28,12 @@ class MemoryRegistry(Registry):
         entry = self._entries.get(key)
         if entry is None:
             lease = Lease(key, next(self._tokens), 1)
-            self._entries[key] = _Entry(lease, 1)
+            self._entries[key] = _Entry(lease, {lease.token})
             return lease
         old = entry.holder
         lease = Lease(key, next(self._tokens), old.attempt + 1)
-        entry.holder, entry.live = lease, entry.live + 1
+        entry.holder = lease
+        entry.live.add(lease.token)
         old.supersede(newer_attempt=lease.attempt)
         return lease
 
@@ -38,8 +41,8 @@ class MemoryRegistry(Registry):
         entry = self._entries.get(lease.key)
         if entry is None:
             return
-        entry.live -= 1
-        if entry.live <= 0:
+        entry.live.discard(lease.token)
+        if not entry.live:
             del self._entries[lease.key]
 
     def live_keys(self) -> int:
