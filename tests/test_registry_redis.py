@@ -23,7 +23,7 @@ import pytest
 from redis.asyncio import Redis
 
 from proxy.config import RegistryConfig
-from proxy.registry.redis import RedisRegistry
+from proxy.registry.redis import ACK_WAIT, RedisRegistry
 from tests.conftest import Proxy, ProxyFactory
 from tests.redis_server import REDIS_SERVER, RedisServer, free_port, running_redis
 from tests.sse_client import Event, chat_body, events
@@ -324,6 +324,37 @@ async def test_entries_outlive_the_ttl_while_held_and_missed_claims_are_caught_u
         await registry.close()
 
 
+async def test_a_retry_goes_ahead_when_the_older_attempts_process_does_not_answer(
+    redis_server: RedisServer,
+) -> None:
+    config = RegistryConfig(backend="redis", url=redis_server.url)
+    gone, alive, third = (RedisRegistry(config) for _ in range(3))
+    for registry in (gone, alive, third):
+        await registry.start()
+    try:
+        await asyncio.wait_for(
+            asyncio.gather(*(r.wait_subscribed() for r in (gone, alive, third))), 5
+        )
+        old = await gone.claim("k")
+        for task in gone._tasks:  # it stops listening, like a process that hangs
+            task.cancel()
+        started = time.perf_counter()
+        new = await alive.claim("k")
+        waited = time.perf_counter() - started
+        assert new.attempt == 2 and not new.superseded and not old.superseded
+        assert ACK_WAIT <= waited < 1.0
+        assert old.token not in alive._acked
+        # A process that does answer: the claim returns on its confirmation, not the timeout.
+        newer = await third.claim("k")
+        assert new.token in third._acked
+        assert new.superseded and newer.attempt == 3
+        for registry, lease in ((gone, old), (alive, new), (third, newer)):
+            await registry.release(lease)
+    finally:
+        for registry in (gone, alive, third):
+            await registry.close()
+
+
 async def test_a_claim_cancelled_after_redis_ran_it_leaves_no_entry(
     redis_server: RedisServer,
 ) -> None:
@@ -400,19 +431,27 @@ async def test_keys_expire_after_a_process_is_killed(
         expired = r.pubsub()
         await expired.subscribe("__keyevent@0__:expired")
         async with pa.client() as a, pb.client() as b, AsyncExitStack() as stack:
-            a_resp, _ = await _open_gated(stack, a, "crash", "A")
-            [entry] = [k async for k in r.scan_iter(match="streamfence:turn:*")]
-            assert entry.decode().startswith(
-                "streamfence:turn:" + a_resp.headers["x-streamfence-turn"]
-            )
+            # Both streams stay open (their readers referenced) until the process dies.
+            a_resp, a_events = await _open_gated(stack, a, "crash", "A")
+            _, a2_events = await _open_gated(stack, a, "crash-2", "A2")
+            entry = "streamfence:turn:" + a_resp.headers["x-streamfence-turn"]
+            [entry_b] = [k async for k in r.scan_iter(match=entry + "*")]
             # A long stream keeps its entry: the process refreshes it within the TTL.
             await asyncio.sleep(ttl * 2)
-            assert await r.exists(entry) == 1
+            assert await r.exists(entry_b) == 1
             pa.kill()
-            # Nothing refreshes it now: Redis expires it within about one TTL.
+            # A retry right away: nobody is left to confirm the old attempt's fence, so the
+            # claim goes ahead after its short wait instead of hanging.
+            started = time.perf_counter()
+            early = await b.post(
+                CHAT, json=chat_body(stream=False), headers={"X-Turn-Id": "crash-2"}
+            )
+            assert early.status_code == 200 and early.headers["x-streamfence-attempt"] == "2"
+            assert time.perf_counter() - started < ttl
+            # Nothing refreshes the other entry now: Redis expires it within about one TTL.
             while True:
                 message = await asyncio.wait_for(expired.get_message(timeout=None), ttl * 5)
-                if message and message["type"] == "message" and message["data"] == entry:
+                if message and message["type"] == "message" and message["data"] == entry_b:
                     break
             retry = await b.post(CHAT, json=chat_body(stream=False), headers={"X-Turn-Id": "crash"})
         await expired.aclose()
