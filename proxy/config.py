@@ -144,17 +144,23 @@ def _apply(data: dict[str, Any], flat: Mapping[str, Any]) -> None:
         parts = dotted.split(".")
         if parts[0] == "upstream":
             upstreams = data.setdefault("upstream", [])
+            if not isinstance(upstreams, list):
+                continue  # a file's [upstream] that should be [[upstream]]: from_dict says so
             if len(parts) == 2:  # the single-upstream shorthand
                 if not upstreams:
                     upstreams.append({})
-                upstreams[0][parts[1]] = value
+                if isinstance(upstreams[0], dict):
+                    upstreams[0][parts[1]] = value
                 continue
             index = int(parts[1])
             while len(upstreams) <= index:
                 upstreams.append({})
-            upstreams[index][parts[2]] = value
+            if isinstance(upstreams[index], dict):
+                upstreams[index][parts[2]] = value
             continue
-        data.setdefault(parts[0], {})[parts[1]] = value
+        section = data.setdefault(parts[0], {})
+        if isinstance(section, dict):  # else from_dict reports "must be a table"
+            section[parts[1]] = value
 
 
 def from_dict(data: Mapping[str, Any]) -> Config:
@@ -221,10 +227,16 @@ def _coerce(value: Any, hint: Any) -> Any:
     if hint is int or hint is float:
         if isinstance(value, bool):
             raise TypeError(f"must be a number, not {value!r}")
+        # int(8787.9) would quietly drop the fraction (and int(inf) raise OverflowError).
+        if hint is int and isinstance(value, float) and not value.is_integer():
+            raise TypeError(f"must be a whole number, not {value!r}")
         try:
-            return hint(value)
+            number = hint(value)
         except (TypeError, ValueError):
             raise TypeError(f"must be a number, not {value!r}") from None
+        if number != number:  # NaN passes every range check below
+            raise TypeError(f"must be a number, not {value!r}")
+        return number
     if hint is str:
         if not isinstance(value, str):
             raise TypeError(f"must be a string, not {value!r}")
@@ -267,9 +279,11 @@ def _check(config: Config) -> list[str]:
             problems.append(f"{where}.prefix: must start with '/', not {up.prefix!r}")
         if up.prefix.startswith("/_streamfence"):
             problems.append(f"{where}.prefix: /_streamfence/ is reserved for the proxy itself")
-        if up.prefix in seen:
+        # "/a" and "/a/" route the same paths (the router strips trailing slashes).
+        same = up.prefix.rstrip("/") or "/"
+        if same in seen:
             problems.append(f"{where}.prefix: {up.prefix!r} is used by another upstream")
-        seen.add(up.prefix)
+        seen.add(same)
         for key in ("connect_timeout", "idle_timeout"):
             if getattr(up, key) <= 0:
                 problems.append(f"{where}.{key}: must be positive")

@@ -1,0 +1,302 @@
+"""proxy.config: defaults, the TOML file, STREAMFENCE_* environment and flags, in that order
+of precedence, and bad values reported with their key path (CONTRACT section 7).
+
+The example file and `check-config` have their own tests in tests/test_ops_config.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.config import (
+    Config,
+    ConfigError,
+    RegistryConfig,
+    ServerConfig,
+    TurnsConfig,
+    UpstreamConfig,
+    from_dict,
+    load,
+)
+
+URL = {"upstream.url": "http://127.0.0.1:9"}
+
+FILE = """
+[server]
+host = "127.0.0.2"
+port = 9000
+
+[turns]
+header = "X-My-Turn"
+ignore_fields = ["stream", "seed"]
+
+[registry]
+backend = "redis"
+url = "redis://127.0.0.1:6390/1"
+on_unavailable = "fail_closed"
+
+[[upstream]]
+name = "openai"
+prefix = "/openai"
+url = "https://api.openai.test"
+dialect = "openai-chat"
+
+[[upstream]]
+name = "anthropic"
+prefix = "/anthropic/"
+url = "https://api.anthropic.test/base"
+dialect = "auto"
+fingerprint = false
+connect_timeout = 2.5
+
+[[upstream]]
+name = "rest"
+url = "http://127.0.0.1:8080"
+"""
+
+
+@pytest.fixture
+def toml(tmp_path: Path) -> Path:
+    path = tmp_path / "streamfence.toml"
+    path.write_text(FILE)
+    return path
+
+
+def problems_of(**kwargs: Any) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        load(**kwargs)
+    assert str(caught.value) == "; ".join(caught.value.problems)
+    return caught.value.problems
+
+
+def test_defaults() -> None:
+    config = load(env={}, overrides=URL)
+    assert config.server == ServerConfig()
+    assert (config.server.host, config.server.port, config.server.workers) == ("127.0.0.1", 8787, 1)
+    assert config.turns == TurnsConfig()
+    assert config.turns.header == "X-Turn-Id"
+    assert config.turns.ignore_fields == ("stream", "stream_options", "timeout")
+    assert config.registry == RegistryConfig()
+    assert (config.registry.backend, config.registry.on_unavailable) == ("memory", "fail_open")
+    (up,) = config.upstream
+    assert up == UpstreamConfig(url="http://127.0.0.1:9")
+    assert (up.prefix, up.dialect, up.fingerprint, up.on_retry) == ("/", "auto", True, "supersede")
+
+
+def test_upstream_is_required() -> None:
+    assert any(p.startswith("upstream: at least one") for p in problems_of(env={}))
+
+
+def test_file_with_several_upstreams(toml: Path) -> None:
+    config = load(str(toml), env={})
+    assert (config.server.host, config.server.port) == ("127.0.0.2", 9000)
+    assert config.turns.header == "X-My-Turn"
+    assert config.turns.ignore_fields == ("stream", "seed")
+    assert config.registry == RegistryConfig(
+        backend="redis", url="redis://127.0.0.1:6390/1", on_unavailable="fail_closed"
+    )
+    openai, anthropic, rest = config.upstream
+    assert (openai.name, openai.prefix, openai.dialect) == ("openai", "/openai", "openai-chat")
+    assert (anthropic.prefix, anthropic.url) == ("/anthropic/", "https://api.anthropic.test/base")
+    assert (anthropic.fingerprint, anthropic.connect_timeout) == (False, 2.5)
+    assert (rest.name, rest.prefix, rest.fingerprint) == ("rest", "/", True)
+
+
+def test_environment_overrides_the_file(toml: Path) -> None:
+    env = {
+        "STREAMFENCE_SERVER_PORT": "9100",
+        "STREAMFENCE_SERVER_ACCESS_TOKEN": "tok",
+        "STREAMFENCE_TURNS_IGNORE_FIELDS": "stream, timeout,",
+        "STREAMFENCE_REGISTRY_URL": "redis://127.0.0.1:6391/0",
+        "STREAMFENCE_REGISTRY_ON_UNAVAILABLE": "fail_open",
+        "STREAMFENCE_UPSTREAM_1_FINGERPRINT": "yes",
+        "STREAMFENCE_UPSTREAM_2_CONNECT_TIMEOUT": "4",
+        "STREAMFENCE_UPSTREAM_0_MAX_EVENT_BYTES": "1024",
+        "OTHER_SERVER_PORT": "1",  # not ours
+        "STREAMFENCE_NOTHING": "x",  # no key path: ignored
+    }
+    config = load(str(toml), env=env)
+    assert config.server.port == 9100
+    assert config.server.host == "127.0.0.2"  # untouched keys keep the file's value
+    assert config.server.access_token == "tok"
+    assert config.turns.ignore_fields == ("stream", "timeout")
+    assert config.registry.url == "redis://127.0.0.1:6391/0"
+    assert config.registry.on_unavailable == "fail_open"
+    assert config.registry.backend == "redis"
+    openai, anthropic, rest = config.upstream
+    assert openai.max_event_bytes == 1024 and openai.dialect == "openai-chat"
+    assert anthropic.fingerprint is True
+    assert rest.connect_timeout == 4.0
+
+
+def test_environment_alone_is_a_working_setup() -> None:
+    env = {"STREAMFENCE_UPSTREAM_URL": "http://127.0.0.1:9", "STREAMFENCE_SERVER_PORT": "0"}
+    config = load(env=env)
+    assert config.server.port == 0
+    assert config.upstream == (UpstreamConfig(url="http://127.0.0.1:9"),)
+
+
+def test_single_upstream_shorthand_keys_from_the_environment() -> None:
+    env = {
+        "STREAMFENCE_UPSTREAM_URL": "http://127.0.0.1:9",
+        "STREAMFENCE_UPSTREAM_CONNECT_TIMEOUT": "3",
+        "STREAMFENCE_UPSTREAM_DIALECT": "anthropic",
+    }
+    (up,) = load(env=env).upstream
+    assert (up.connect_timeout, up.dialect) == (3.0, "anthropic")
+
+
+def test_flags_beat_the_environment_and_the_file(toml: Path) -> None:
+    env = {"STREAMFENCE_SERVER_PORT": "9100", "STREAMFENCE_SERVER_HOST": "127.0.0.3"}
+    overrides = {
+        "server.port": 9200,
+        "server.host": None,  # a flag that was not given changes nothing
+        "upstream.url": "http://127.0.0.1:7",
+    }
+    config = load(str(toml), env=env, overrides=overrides)
+    assert config.server.port == 9200
+    assert config.server.host == "127.0.0.3"
+    assert config.upstream[0].url == "http://127.0.0.1:7"  # --upstream: the first upstream
+    assert config.upstream[0].prefix == "/openai"
+
+
+def test_the_real_environment_is_read_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMFENCE_UPSTREAM_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("STREAMFENCE_SERVER_PORT", "9300")
+    assert load().server.port == 9300
+
+
+# --- bad values ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "key_path"),
+    [
+        ({"STREAMFENCE_SERVER_PORT": "eighty"}, "server.port"),
+        ({"STREAMFENCE_SERVER_PORT": "70000"}, "server.port"),
+        ({"STREAMFENCE_SERVER_PORT": "80.5"}, "server.port"),
+        ({"STREAMFENCE_SERVER_WORKERS": "0"}, "server.workers"),
+        ({"STREAMFENCE_SERVER_LOG_FORMAT": "xml"}, "server.log_format"),
+        ({"STREAMFENCE_SERVER_BOGUS": "1"}, "server.bogus"),
+        ({"STREAMFENCE_SERVER_MAX_BODY_BYTES": "0"}, "server.max_body_bytes"),
+        ({"STREAMFENCE_SERVER_SHUTDOWN_GRACE": "nan"}, "server.shutdown_grace"),
+        ({"STREAMFENCE_TURNS_HEADER": " "}, "turns.header"),
+        ({"STREAMFENCE_REGISTRY_BACKEND": "etcd"}, "registry.backend"),
+        ({"STREAMFENCE_REGISTRY_ON_UNAVAILABLE": "maybe"}, "registry.on_unavailable"),
+        ({"STREAMFENCE_UPSTREAM_0_FINGERPRINT": "maybe"}, "upstream[0].fingerprint"),
+        ({"STREAMFENCE_UPSTREAM_0_DIALECT": "cohere"}, "upstream[0].dialect"),
+        ({"STREAMFENCE_UPSTREAM_0_ON_RETRY": "sometimes"}, "upstream[0].on_retry"),
+        ({"STREAMFENCE_UPSTREAM_0_URL": "ftp://x.test"}, "upstream[0].url"),
+        ({"STREAMFENCE_UPSTREAM_0_URL": "http://"}, "upstream[0].url"),
+        ({"STREAMFENCE_UPSTREAM_0_PREFIX": "openai"}, "upstream[0].prefix"),
+        ({"STREAMFENCE_UPSTREAM_0_PREFIX": "/_streamfence/x"}, "upstream[0].prefix"),
+        ({"STREAMFENCE_UPSTREAM_0_IDLE_TIMEOUT": "0"}, "upstream[0].idle_timeout"),
+        ({"STREAMFENCE_UPSTREAM_0_CONNECT_TIMEOUT": "-1"}, "upstream[0].connect_timeout"),
+        ({"STREAMFENCE_UPSTREAM_0_CONNECT_TIMEOUT": "nan"}, "upstream[0].connect_timeout"),
+    ],
+)
+def test_bad_value_names_its_key_path(env: dict[str, str], key_path: str) -> None:
+    problems = problems_of(env={"STREAMFENCE_UPSTREAM_0_URL": "http://127.0.0.1:9", **env})
+    assert [p.split(":", 1)[0] for p in problems] == [key_path], problems
+
+
+@pytest.mark.parametrize(
+    ("text", "key_path"),
+    [
+        ("[server]\nport = 8787.5", "server.port"),
+        ("[server]\nport = inf", "server.port"),
+        ("[server]\nworkers = 1.5", "server.workers"),
+        ("[server]\nport = true", "server.port"),
+        ("[server]\nhost = 127", "server.host"),
+        ("[server]\nshutdown_grace = nan", "server.shutdown_grace"),
+        ("[turns]\nignore_fields = [1, 2]", "turns.ignore_fields"),
+        ('[registry]\nlease_ttl = "long"', "registry.lease_ttl"),
+    ],
+)
+def test_bad_file_value_names_its_key_path(tmp_path: Path, text: str, key_path: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    problems = problems_of(path=str(path), env={}, overrides=URL)
+    assert [p.split(":", 1)[0] for p in problems] == [key_path], problems
+
+
+def test_whole_number_floats_are_accepted_for_integers(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[server]\nport = 9000.0\nshutdown_grace = 2\n")
+    config = load(str(path), env={}, overrides=URL)
+    assert config.server.port == 9000 and isinstance(config.server.port, int)
+    assert config.server.shutdown_grace == 2.0
+
+
+def test_every_problem_is_reported_at_once_with_the_upstream_index() -> None:
+    data = {
+        "server": {"port": "x", "workers": 0},
+        "upstream": [
+            {"url": "http://127.0.0.1:9"},
+            {"url": "nope", "prefix": "/a", "bogus": 1},
+            {"url": "http://127.0.0.1:9", "prefix": "/a/"},
+        ],
+        "extra": {},
+    }
+    with pytest.raises(ConfigError) as caught:
+        from_dict(data)
+    keys = [p.split(":", 1)[0] for p in caught.value.problems]
+    assert sorted(keys) == sorted(
+        [
+            "extra",
+            "server.port",
+            "server.workers",
+            "upstream[1].bogus",
+            "upstream[1].url",
+            "upstream[2].prefix",  # "/a/" routes exactly what "/a" does
+        ]
+    )
+
+
+def test_duplicate_prefixes_are_refused() -> None:
+    for prefixes in (["/", "/"], ["/a", "/a"], ["/a", "/a/"], ["/", "//"]):
+        data = {"upstream": [{"url": "http://127.0.0.1:9", "prefix": p} for p in prefixes]}
+        with pytest.raises(ConfigError) as caught:
+            from_dict(data)
+        assert caught.value.problems == [
+            f"upstream[1].prefix: {prefixes[1]!r} is used by another upstream"
+        ]
+    ok = {"upstream": [{"url": "http://127.0.0.1:9", "prefix": p} for p in ("/", "/a", "/ab")]}
+    assert len(from_dict(ok).upstream) == 3
+
+
+def test_several_workers_need_the_redis_registry() -> None:
+    problems = problems_of(env={}, overrides={**URL, "server.workers": "2"})
+    (problem,) = problems
+    assert problem.startswith("server.workers: several workers need a shared registry")
+    assert "in-memory" in problem and 'backend = "redis"' in problem
+    config = load(env={}, overrides={**URL, "server.workers": "2", "registry.backend": "redis"})
+    assert config.server.workers == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "key_path"),
+    [
+        # [upstream] instead of [[upstream]], with --upstream or its variable on top.
+        ('[upstream]\nurl = "http://127.0.0.1:9"\n', URL, "upstream"),
+        ('[upstream]\nurl = "http://127.0.0.1:9"\n', {"upstream.0.prefix": "/a"}, "upstream"),
+        ("upstream = [1]\n", URL, "upstream[0]"),
+        ("server = 1\n", {**URL, "server.port": 1}, "server"),
+    ],
+)
+def test_mistyped_sections_with_flags_on_top_are_config_errors(
+    tmp_path: Path, text: str, overrides: dict[str, Any], key_path: str
+) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    problems = problems_of(path=str(path), env={}, overrides=overrides)
+    assert key_path in [p.split(":", 1)[0] for p in problems], problems
+
+
+def test_config_is_immutable() -> None:
+    config = load(env={}, overrides=URL)
+    assert isinstance(config, Config)
+    with pytest.raises(AttributeError):
+        config.server.port = 1  # type: ignore[misc]
