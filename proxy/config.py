@@ -265,6 +265,14 @@ def _check(config: Config) -> list[str]:
         problems.append("server: write_timeout and shutdown_grace must not be negative")
     if config.server.max_body_bytes < 1:
         problems.append("server.max_body_bytes: must be positive")
+    if config.registry.lease_ttl <= 0:
+        problems.append("registry.lease_ttl: must be positive (seconds)")
+    if config.registry.backend == "redis" and urlsplit(config.registry.url).scheme not in (
+        "redis",
+        "rediss",
+        "unix",
+    ):
+        problems.append("registry.url: must be a redis://, rediss:// or unix:// URL")
     if not config.turns.header.strip():
         problems.append("turns.header: must not be empty")
     if not config.upstream:

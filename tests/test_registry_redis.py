@@ -22,7 +22,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from proxy.config import RegistryConfig
+from proxy.config import ConfigError, RegistryConfig, load
 from proxy.registry.redis import ACK_WAIT, RedisRegistry
 from tests.conftest import Proxy, ProxyFactory
 from tests.redis_server import REDIS_SERVER, RedisServer, free_port, running_redis
@@ -457,6 +457,18 @@ async def test_keys_expire_after_a_process_is_killed(
         await expired.aclose()
     assert retry.status_code == 200
     assert retry.headers["x-streamfence-attempt"] == "1"  # nothing was left behind
+
+
+def test_registry_config_is_checked() -> None:
+    base = {"upstream.url": "http://127.0.0.1:9", "registry.backend": "redis"}
+    with pytest.raises(ConfigError) as bad:
+        load(env={}, overrides={**base, "registry.url": "http://x", "registry.lease_ttl": 0})
+    assert bad.value.problems == [
+        "registry.lease_ttl: must be positive (seconds)",
+        "registry.url: must be a redis://, rediss:// or unix:// URL",
+    ]
+    ok = load(env={}, overrides={**base, "registry.url": "rediss://:pw@h:6380/2"})
+    assert RedisRegistry(ok.registry).channel == "streamfence:2:claims"
 
 
 def test_workers_need_a_shared_registry() -> None:
