@@ -403,6 +403,28 @@ async def test_no_event_of_an_older_attempt_starts_after_a_retry_elsewhere_is_ac
         await asyncio.wait_for(asyncio.gather(*(one(i, *pairs[i % 2]) for i in range(rounds))), 120)
 
 
+async def test_a_retry_waits_for_a_slow_process_to_fence_its_older_attempt(
+    upstream: ScriptedUpstream, redis_server: RedisServer, make_proxy: ProxyFactory
+) -> None:
+    """The same, made deterministic: the old attempt's process hears every claim 20 ms
+    late (a busy event loop). The retry must not be forwarded before that process has
+    fenced its attempt; without the handshake every round here delivers a stale event."""
+    async with (
+        redis_proxy(make_proxy, upstream, redis_server) as pa,
+        redis_proxy(make_proxy, upstream, redis_server) as pb,
+        pa.client() as a,
+        pb.client() as b,
+    ):
+        registry = pa.runtime.registry
+        assert isinstance(registry, RedisRegistry)
+        hear = registry._on_message
+        loop = asyncio.get_running_loop()
+        delay = ACK_WAIT / 2.5
+        registry._on_message = lambda m: loop.call_later(delay, hear, m)  # type: ignore[method-assign]
+        for i in range(5):
+            await _fence_once(a, b, upstream, f"slow-{i}")
+
+
 # -- two proxy processes ---------------------------------------------------------------
 
 
@@ -617,67 +639,95 @@ async def _collect(stream: AsyncIterator[Event]) -> list[Event]:
 # -- stress ----------------------------------------------------------------------------
 
 
+async def _stress_turn(
+    i: int, clients: list[httpx.AsyncClient], upstream: ScriptedUpstream
+) -> None:
+    """Turn `s{i}`: 1-2 retries alternating between the two proxies, each checked."""
+    retries = 1 + i % 2
+    name = f"s{i}"
+    async with AsyncExitStack() as stack:
+        older: list[tuple[str, httpx.Response, AsyncIterator[Event]]] = []
+        for j in range(retries + 1):
+            client = clients[(i + j) % 2]
+            prefix = f"{name}a{j}-"
+            if j < retries:
+                response, stream = await _open_gated(stack, client, name, prefix)
+                older.append((prefix, response, stream))
+                if j == 0:
+                    continue
+                released = _seen(upstream, older[j - 1][0])
+                released.release(1)  # sent after this attempt was accepted: must not pass
+            else:
+                final_task = asyncio.create_task(
+                    client.post(
+                        CHAT, json=chat_body(tokens=3, prefix=prefix), headers={"X-Turn-Id": name}
+                    )
+                )
+                await asyncio.wait_for(_arrival(upstream, prefix), 5)
+                _seen(upstream, older[j - 1][0]).release(1)  # as above
+                final = await final_task
+                assert final.headers["x-streamfence-attempt"] == str(j + 1)
+                assert final.text.endswith("data: [DONE]\n\n")
+                assert f"{prefix}2 " in final.text
+            # Every attempt before this one: fenced, told so, its upstream closed.
+            prev_prefix, prev_response, prev_stream = older[j - 1]
+            rest = await asyncio.wait_for(_collect(prev_stream), 5)
+            assert len(rest) == 1 and _superseded(rest[0]), (prev_prefix, rest)
+            assert prev_response.headers["x-streamfence-attempt"] == str(j)
+            seen = _seen(upstream, prev_prefix)
+            await asyncio.wait_for(seen.closed.wait(), 5)
+            assert seen.events_sent <= 2 and not seen.finished
+
+
+async def _stress(clients: list[httpx.AsyncClient], upstream: ScriptedUpstream, turns: int) -> None:
+    limit = asyncio.Semaphore(20)
+
+    async def turn(i: int) -> None:
+        async with limit:
+            await _stress_turn(i, clients, upstream)
+
+    await asyncio.wait_for(asyncio.gather(*(turn(i) for i in range(turns))), 120)
+    supersedes = sum(1 + i % 2 for i in range(turns))
+    assert len(upstream.seen) == turns + supersedes
+
+
+async def _no_entries_left(server: RedisServer) -> None:
+    async with redis_client(server) as r:
+
+        async def empty() -> bool:
+            return [k async for k in r.scan_iter(match="streamfence:turn:*")] == []
+
+        await _until(empty)  # releases run just after each response's last byte
+
+
 @pytest.mark.stress
 async def test_stress_supersedes_spread_over_two_proxies(
     upstream: ScriptedUpstream, redis_server: RedisServer, make_proxy: ProxyFactory
 ) -> None:
-    turns, parallel = 200, 20
-    limit = asyncio.Semaphore(parallel)
-    outcomes: dict[str, str] = {}
-
-    async def turn(i: int, clients: list[httpx.AsyncClient]) -> None:
-        retries = 1 + i % 2
-        name = f"s{i}"
-        async with limit, AsyncExitStack() as stack:
-            older: list[tuple[str, httpx.Response, AsyncIterator[Event]]] = []
-            for j in range(retries + 1):
-                client = clients[(i + j) % 2]
-                prefix = f"{name}a{j}-"
-                if j < retries:
-                    response, stream = await _open_gated(stack, client, name, prefix)
-                    older.append((prefix, response, stream))
-                    if j == 0:
-                        continue
-                    released = _seen(upstream, older[j - 1][0])
-                    released.release(1)  # sent after this attempt was accepted: must not pass
-                else:
-                    final_task = asyncio.create_task(
-                        client.post(
-                            CHAT,
-                            json=chat_body(tokens=3, prefix=prefix),
-                            headers={"X-Turn-Id": name},
-                        )
-                    )
-                    await asyncio.wait_for(_arrival(upstream, prefix), 5)
-                    _seen(upstream, older[j - 1][0]).release(1)  # as above
-                    final = await final_task
-                    assert final.headers["x-streamfence-attempt"] == str(j + 1)
-                    assert final.text.endswith("data: [DONE]\n\n")
-                    assert f"{prefix}2 " in final.text
-                # Every attempt before this one: fenced, told so, its upstream closed.
-                prev_prefix, prev_response, prev_stream = older[j - 1]
-                rest = await asyncio.wait_for(_collect(prev_stream), 5)
-                assert len(rest) == 1 and _superseded(rest[0]), (prev_prefix, rest)
-                assert prev_response.headers["x-streamfence-attempt"] == str(j)
-                seen = _seen(upstream, prev_prefix)
-                await asyncio.wait_for(seen.closed.wait(), 5)
-                assert seen.events_sent <= 2 and not seen.finished
-        outcomes[name] = "ok"
-
+    """200 turns, each superseded once or twice, attempts alternating between two apps
+    with registries of their own (one event loop: their insides can be checked)."""
+    limits = httpx.Limits(max_connections=100)
     async with (
         redis_proxy(make_proxy, upstream, redis_server) as pa,
         redis_proxy(make_proxy, upstream, redis_server) as pb,
-        pa.client(limits=httpx.Limits(max_connections=100)) as a,
-        pb.client(limits=httpx.Limits(max_connections=100)) as b,
+        pa.client(limits=limits) as a,
+        pb.client(limits=limits) as b,
     ):
-        await asyncio.wait_for(asyncio.gather(*(turn(i, [a, b]) for i in range(turns))), 120)
+        await _stress([a, b], upstream, turns=200)
 
         async def drained() -> bool:
             return pa.runtime.registry.live_keys() == 0 and pb.runtime.registry.live_keys() == 0
 
         await _until(drained)
-        async with redis_client(redis_server) as r:
-            assert [k async for k in r.scan_iter(match="streamfence:turn:*")] == []
-    assert len(outcomes) == turns
-    supersedes = sum(1 + i % 2 for i in range(turns))
-    assert len(upstream.seen) == turns + supersedes
+        await _no_entries_left(redis_server)
+
+
+@pytest.mark.stress
+async def test_stress_supersedes_spread_over_two_processes(
+    upstream: ScriptedUpstream, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The same across two `python -m proxy` processes."""
+    async with proxy_processes(2, upstream, redis_server, tmp_path) as (pa, pb):
+        async with pa.client() as a, pb.client() as b:
+            await _stress([a, b], upstream, turns=120)
+        await _no_entries_left(redis_server)
