@@ -20,6 +20,8 @@ _BOUNDARY = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
 _LINE_END = re.compile(r"\r\n|\r|\n")
 
 DEFAULT_MAX_EVENT_BYTES = 1 << 20
+# Below this, rescanning the unfinished event is cheaper than checking whether to.
+_PARK_AFTER = 4096
 
 
 class SSESplitter:
@@ -29,34 +31,64 @@ class SSESplitter:
     bytes that are not UTF-8); the events returned before it are good and may be relayed.
     """
 
-    __slots__ = ("_buf", "_max", "error")
+    __slots__ = ("_buf", "_max", "_more", "_size", "error")
 
     def __init__(self, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
-        self._buf = b""
+        self._buf = b""  # the unfinished event, as last scanned
+        # Reads parked after `_buf` that cannot end it: a long event is scanned once per read
+        # and joined once, not rejoined and rescanned on every read (quadratic in its size,
+        # on the event loop: seconds for a 16 MiB event).
+        self._more: list[bytes] = []
+        self._size = 0  # len(_buf) + the parked reads
         self._max = max_event_bytes
         self.error: MalformedStream | None = None
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        if self.error is not None:
+        if self.error is not None or not chunk:
             return []
-        buf = self._buf + chunk if self._buf else chunk
+        if self._size >= _PARK_AFTER and not _may_end_event(self._tail() + chunk):
+            self._more.append(chunk)
+            self._size += len(chunk)
+            if self._size > self._max:
+                self._too_big()
+            return []
+        buf = b"".join((self._buf, *self._more, chunk)) if self._size else chunk
+        self._more = []
         if b"\r" in buf:
             events, rest = _split_general(buf)
         else:
             events, rest = _split_lf(buf)
-        self._buf = rest
+        self._buf, self._size = rest, len(rest)
+        if len(buf) > self._max:
+            # One read may hold a whole event over the limit, not only an unfinished one.
+            for i, event in enumerate(events):
+                if len(event) > self._max:
+                    self._too_big()
+                    return self._validated(events[:i])
         if len(rest) > self._max:
-            self.error = MalformedStream(
-                f"the upstream sent an SSE event over the {self._max}-byte limit"
-            )
+            self._too_big()
         return self._validated(events)
 
     def flush(self) -> list[bytes]:
         """At end of stream: an unterminated last event is completed, not lost."""
-        rest, self._buf = self._buf, b""
+        rest = b"".join((self._buf, *self._more))
+        self._buf, self._more, self._size = b"", [], 0
         if self.error is not None or not rest.strip(b"\r\n"):
             return []
         return self._validated([rest + b"\n\n"])
+
+    def _tail(self) -> bytes:
+        # The last 3 bytes buffered: with a new read, they hold any boundary it may end.
+        tail = self._buf[-3:]
+        for part in self._more[-3:]:  # parked reads are never empty
+            tail = (tail + part[-3:])[-3:]
+        return tail
+
+    def _too_big(self) -> None:
+        self._buf, self._more, self._size = b"", [], 0
+        self.error = MalformedStream(
+            f"the upstream sent an SSE event over the {self._max}-byte limit"
+        )
 
     def _validated(self, events: list[bytes]) -> list[bytes]:
         if not events:
@@ -74,6 +106,14 @@ class SSESplitter:
                 self._buf = b""
                 return events[:i]
         return events  # pragma: no cover - the joined check failed, so one event must
+
+
+def _may_end_event(window: bytes) -> bool:
+    """Whether an event boundary may end in `window` (a new read after the last 3 bytes
+    buffered, which is as far back as a boundary reaching into the read can start)."""
+    if b"\r" not in window:
+        return b"\n\n" in window
+    return _BOUNDARY.search(window) is not None
 
 
 def _split_lf(buf: bytes) -> tuple[list[bytes], bytes]:

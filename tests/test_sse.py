@@ -4,14 +4,27 @@ chunking and line endings; checked against an independent WHATWG-style reference
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxy import sse
 from proxy.errors import MalformedStream
 from proxy.sse import SSESplitter, encode_event, parse_fields
+
+
+@pytest.fixture(scope="module", autouse=True, params=["rescan", "park"])
+def parking(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test runs twice: as shipped (an unfinished event under 4 KiB is rescanned on
+    each read), and with every read that cannot end the event parked, however short."""
+    saved = sse._PARK_AFTER
+    sse._PARK_AFTER = 0 if request.param == "park" else saved
+    yield
+    sse._PARK_AFTER = saved
+
 
 # --- an independent reference: the WHATWG "interpreting an event stream" rules ---------
 
@@ -426,3 +439,35 @@ def test_any_stream_splits_the_same_way_whatever_the_chunking(
     assert one_tail == ([rest + b"\n\n"] if rest.strip(b"\r\n") else [])
     for event in one:
         assert re.search(rb"(\r\n|\r|\n)(\r\n|\r|\n)\Z", event), event
+
+
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n"])
+@pytest.mark.parametrize("read", [1 << 10, 1 << 14])
+def test_a_long_event_is_scanned_in_linear_time(
+    monkeypatch: pytest.MonkeyPatch, ending: bytes, read: int
+) -> None:
+    # Rejoining and rescanning the unfinished event on every read was quadratic: seconds of
+    # event-loop time for one 16 MiB event. Count the bytes the scanners look at instead of
+    # timing anything.
+    scanned = 0
+
+    def counting(fn):  # type: ignore[no-untyped-def]
+        def wrapper(buf: bytes):  # type: ignore[no-untyped-def]
+            nonlocal scanned
+            scanned += len(buf)
+            return fn(buf)
+
+        return wrapper
+
+    for name in ("_split_lf", "_split_general", "_may_end_event"):
+        monkeypatch.setattr(sse, name, counting(getattr(sse, name, lambda b: True)))
+    line = b"data: " + b"x" * 1000 + ending
+    event = line * 1024 + ending  # 1 MiB, many lines
+    small = b"data: after" + ending + ending
+    stream = event + small
+    splitter = SSESplitter(2 << 20)
+    out = [e for i in range(0, len(stream), read) for e in splitter.feed(stream[i : i + read])]
+    assert out == [event, small]
+    # Each read once (with 3 bytes before it), the event once when it ends, and the rescans
+    # of an event still under the parking threshold.
+    assert scanned < 2 * len(stream) + 4 * 4096 * (4096 // read + 1), scanned
