@@ -632,6 +632,21 @@ async def test_redis_down_fail_closed_refuses_keyed_requests_then_fencing_resume
     assert pa.runtime.registry.live_keys() == 0 and pb.runtime.registry.live_keys() == 0
 
 
+async def test_started_while_redis_is_down_it_becomes_ready_when_redis_comes(
+    upstream: ScriptedUpstream, redis_server: RedisServer, make_proxy: ProxyFactory
+) -> None:
+    redis_server.kill()
+    overrides = _redis_overrides(redis_server, **{"registry.on_unavailable": "fail_closed"})
+    async with make_proxy(upstream.url, **overrides) as proxy, proxy.client() as client:
+        assert (await client.get("/_streamfence/readyz")).status_code == 503
+        refused = await client.post(CHAT, json=chat_body(stream=False), headers={"X-Turn-Id": "t"})
+        assert refused.status_code == 503
+        await redis_server.astart()
+        await _wait_ready(proxy)
+        served = await client.post(CHAT, json=chat_body(stream=False), headers={"X-Turn-Id": "t"})
+        assert served.status_code == 200 and served.headers["x-streamfence-attempt"] == "1"
+
+
 async def _collect(stream: AsyncIterator[Event]) -> list[Event]:
     return [e async for e in stream]
 
