@@ -261,8 +261,9 @@ def _check(config: Config) -> list[str]:
             "in one process, so a retry landing on another worker would fence nothing. "
             'Set [registry] backend = "redis"'
         )
-    if config.server.write_timeout < 0 or config.server.shutdown_grace < 0:
-        problems.append("server: write_timeout and shutdown_grace must not be negative")
+    for key in ("write_timeout", "shutdown_grace"):
+        if getattr(config.server, key) < 0:
+            problems.append(f"server.{key}: must not be negative")
     if config.server.max_body_bytes < 1:
         problems.append("server.max_body_bytes: must be positive")
     if config.registry.lease_ttl <= 0:
