@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from urllib.parse import urlsplit
 from proxy.dialects import DIALECTS
 
 ENV_PREFIX = "STREAMFENCE_"
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token
 
 
 class ConfigError(Exception):
@@ -276,6 +278,9 @@ def _check(config: Config) -> list[str]:
         problems.append("registry.url: must be a redis://, rediss:// or unix:// URL")
     if not config.turns.header.strip():
         problems.append("turns.header: must not be empty")
+    elif not _HEADER_NAME.fullmatch(config.turns.header):
+        # Any other name would never match a request header (or fail to encode at startup).
+        problems.append(f"turns.header: must be an HTTP header name, not {config.turns.header!r}")
     if not config.upstream:
         problems.append("upstream: at least one upstream is needed (--upstream URL)")
     seen: set[str] = set()

@@ -300,3 +300,16 @@ def test_config_is_immutable() -> None:
     assert isinstance(config, Config)
     with pytest.raises(AttributeError):
         config.server.port = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "header", ["X Turn", "X-Turn:", "X-T\u00fcrn", "X-Turn-\U0001f600", "a\tb"]
+)
+def test_turn_header_must_be_a_header_name(header: str) -> None:
+    problems = problems_of(env={}, overrides={**URL, "turns.header": header})
+    assert problems == [f"turns.header: must be an HTTP header name, not {header!r}"]
+
+
+@pytest.mark.parametrize("header", ["X-Turn-Id", "x-agent-turn", "Turn_ID.v2"])
+def test_turn_header_names_that_work(header: str) -> None:
+    assert load(env={}, overrides={**URL, "turns.header": header}).turns.header == header
