@@ -287,6 +287,24 @@ def test_limit_is_exact_whatever_the_chunking(ending: bytes) -> None:
         assert out == [] and isinstance(splitter.error, MalformedStream)
 
 
+@pytest.mark.parametrize("read", [1000, 4096, 5000])
+def test_endless_event_fails_as_soon_as_it_is_over_the_limit(read: int) -> None:
+    # Past the parking threshold, reads are parked rather than rescanned: the limit must
+    # still hold there, and nothing parked may leak out afterwards.
+    limit = 3 * 4096
+    splitter = SSESplitter(limit)
+    assert splitter.feed(b"data: ok\n\n") == [b"data: ok\n\n"]
+    fed = 0
+    chunk = b"data: " + b"z" * (read - 7) + b"\n"
+    while splitter.error is None:
+        assert splitter.feed(chunk) == []
+        fed += len(chunk)
+        assert fed <= limit + len(chunk)
+    assert fed > limit
+    assert isinstance(splitter.error, MalformedStream)
+    assert splitter.feed(b"\n") == [] and splitter.flush() == []
+
+
 def test_invalid_utf8_in_one_event_of_a_batch() -> None:
     splitter = SSESplitter()
     first, second = b"data: one\n\n", b"data: two\n\n"
