@@ -107,7 +107,7 @@ class Provider:
 
 @asynccontextmanager
 async def _serve(app: Any) -> AsyncIterator[str]:
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # NODELAY
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(app, log_level="error", lifespan="auto", ws="none", http="httptools")
     server = uvicorn.Server(config)

@@ -29,15 +29,21 @@ async def test_openai_chat_loser_raises_and_winner_completes(
 ) -> None:
     client = _openai(proxy)
     a = await client.chat.completions.create(
-        model="m", messages=MESSAGES, stream=True,
-        extra_body={"script": {"gated": True, "prefix": "A"}}, extra_headers={"X-Turn-Id": "t"},
+        model="m",
+        messages=MESSAGES,
+        stream=True,
+        extra_body={"script": {"gated": True, "prefix": "A"}},
+        extra_headers={"X-Turn-Id": "t"},
     )
     a_iter = aiter(a)
     first = await anext(a_iter)
     assert first.choices[0].delta.content == "A0 "
     b = await client.chat.completions.create(
-        model="m", messages=MESSAGES, stream=True,
-        extra_body={"script": {"prefix": "B"}}, extra_headers={"X-Turn-Id": "t"},
+        model="m",
+        messages=MESSAGES,
+        stream=True,
+        extra_body={"script": {"prefix": "B"}},
+        extra_headers={"X-Turn-Id": "t"},
     )
     with pytest.raises(openai.APIError) as info:
         async for _ in a_iter:
@@ -55,7 +61,8 @@ async def test_openai_responses_loser_raises_and_winner_completes(
     client = _openai(proxy)
     kwargs: dict[str, Any] = {"model": "m", "input": "hi", "stream": True}
     a = await client.responses.create(
-        **kwargs, extra_body={"script": {"gated": True, "prefix": "A"}},
+        **kwargs,
+        extra_body={"script": {"gated": True, "prefix": "A"}},
         extra_headers={"X-Turn-Id": "r"},
     )
     a_iter = aiter(a)
@@ -82,7 +89,8 @@ async def test_anthropic_loser_raises_and_winner_completes(
     client = _anthropic(proxy)
     kwargs: dict[str, Any] = {"model": "m", "max_tokens": 10, "messages": MESSAGES, "stream": True}
     a = await client.messages.create(
-        **kwargs, extra_body={"script": {"gated": True, "prefix": "A"}},
+        **kwargs,
+        extra_body={"script": {"gated": True, "prefix": "A"}},
         extra_headers={"X-Turn-Id": "c"},
     )
     a_iter = aiter(a)
@@ -119,8 +127,11 @@ async def test_sdk_with_retries_does_not_resend_a_request_fenced_before_headers(
         kwargs = {"model": "m", "max_tokens": 10, "messages": MESSAGES}
         conflict = anthropic.ConflictError
     loser = asyncio.create_task(
-        create(**kwargs, extra_body={"script": {"hold_headers": True}},
-               extra_headers={"X-Turn-Id": "sdk"})
+        create(
+            **kwargs,
+            extra_body={"script": {"hold_headers": True}},
+            extra_headers={"X-Turn-Id": "sdk"},
+        )
     )
     await upstream.wait_requests(1)
     winner = await create(**kwargs, extra_headers={"X-Turn-Id": "sdk"})

@@ -35,6 +35,7 @@ class Script:
     raw: list[str] | None = None  # exact SSE text to send instead of generated events
     raw_bytes: list[bytes] | None = None
     prefix: str = ""  # token prefix, so two attempts' texts are told apart
+    headers: dict[str, str] = field(default_factory=dict)  # extra response headers
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> Script | None:
@@ -62,6 +63,8 @@ class Seen:
     closed_at: float | None = None
     finished: bool = False
     closed: asyncio.Event = field(default_factory=asyncio.Event)
+    broke: bool = False  # the script broke the connection itself (fail_after)
+    over: asyncio.Event = field(default_factory=asyncio.Event)  # handler returned, any reason
     sent_event: asyncio.Event = field(default_factory=asyncio.Event)
     _permits: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(0))
 
@@ -140,6 +143,7 @@ class ScriptedUpstream:
                 raise
         finally:
             watcher.cancel()
+            seen.over.set()
 
     async def _respond(self, seen: Seen, body: Any, send: Any) -> None:
         script = seen.script
@@ -152,17 +156,18 @@ class ScriptedUpstream:
         )
         if script.status >= 400:
             payload = json.dumps({"error": {"message": "scripted failure", "type": "scripted"}})
-            await _send_whole(send, script.status, payload.encode(), "application/json")
+            await _send_whole(send, script.status, payload.encode(), "application/json", script)
             return
         if not streaming:
             payload = json.dumps(_whole_response(seen, script))
-            await _send_whole(send, 200, payload.encode(), "application/json")
+            await _send_whole(send, 200, payload.encode(), "application/json", script)
             return
         await send(
             {
                 "type": "http.response.start",
                 "status": 200,
-                "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
+                "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]
+                + _extra(script),
             }
         )
         for i, event in enumerate(_events(seen.path, script)):
@@ -171,6 +176,7 @@ class ScriptedUpstream:
             elif i > 0 and script.delay:
                 await asyncio.sleep(script.delay)
             if script.fail_after is not None and i >= script.fail_after:
+                seen.broke = True
                 raise ConnectionAbortedError("scripted break")  # uvicorn drops the connection
             await send({"type": "http.response.body", "body": event, "more_body": True})
             seen.events_sent += 1
@@ -178,8 +184,13 @@ class ScriptedUpstream:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _send_whole(send: Any, status: int, body: bytes, ctype: str) -> None:
+def _extra(script: Script) -> list[tuple[bytes, bytes]]:
+    return [(k.lower().encode(), v.encode()) for k, v in script.headers.items()]
+
+
+async def _send_whole(send: Any, status: int, body: bytes, ctype: str, script: Script) -> None:
     headers = [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]
+    headers += _extra(script)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -338,7 +349,9 @@ def _anthropic_events(tokens: list[str]) -> list[bytes]:
 @asynccontextmanager
 async def serve(app: Any, **config: Any) -> AsyncIterator[tuple[str, uvicorn.Server]]:
     """Run `app` under real uvicorn on 127.0.0.1, port 0, in the current event loop."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets that say so, and
+    # without it a write after the headers waits ~40 ms for a delayed ACK.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
