@@ -39,6 +39,7 @@ from redis.exceptions import RedisError
 from proxy.config import RegistryConfig
 from proxy.errors import RegistryUnavailable
 from proxy.registry.base import Lease, Registry
+from proxy.registry.scripts import CLAIM, REFRESH, RELEASE
 
 log = logging.getLogger("streamfence")
 
@@ -49,42 +50,6 @@ ACK_WAIT = 0.05  # the longest a claim waits for another process to confirm a fe
 RECONNECT_MIN, RECONNECT_MAX = 0.05, 0.5
 IDLE_PING = 5.0  # seconds without traffic before the subscriber checks its connection
 WARN_EVERY = 5.0  # seconds between "forwarding unfenced" warnings while Redis is down
-
-# KEYS: turn entry, token counter. ARGV: ttl ms, channel, turn key.
-CLAIM = """
-local now = redis.call('TIME')
-local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
-local token = redis.call('INCR', KEYS[2])
-if token < floor then
-  token = floor
-  redis.call('SET', KEYS[2], string.format('%d', token))
-end
-local tok = string.format('%d', token)
-local prev = redis.call('HMGET', KEYS[1], 'token', 'attempt')
-local attempt = 1
-if prev[2] then attempt = tonumber(prev[2]) + 1 end
-local before = prev[1] or '0'
-redis.call('HSET', KEYS[1], 'token', tok, 'attempt', attempt)
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
-redis.call('PUBLISH', ARGV[2], 'c ' .. tok .. ' ' .. attempt .. ' ' .. before .. ' ' .. ARGV[3])
-return {tok, attempt, before}
-"""
-
-# KEYS: turn entry. ARGV: token. A stale release (a newer attempt holds the key) is a no-op.
-RELEASE = """
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
-
-# KEYS: turn entry. ARGV: token, ttl ms. Keeps a long stream's entry alive and returns the
-# holder, so a claim message missed while the subscriber was down is caught up on.
-REFRESH = """
-local cur = redis.call('HMGET', KEYS[1], 'token', 'attempt')
-if cur[1] == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return cur
-"""
 
 
 @dataclass(slots=True)
