@@ -21,6 +21,7 @@ import httpx
 
 from proxy.app import create_app
 from proxy.config import load
+from proxy.demo import until_disconnect
 from tests.upstream import serve
 
 
@@ -47,20 +48,7 @@ class Provider:
         first_of_turn = job["turn"] not in self._seen
         self._seen.add(job["turn"])
         self.requests += 1
-        stream = asyncio.create_task(self._stream(job, first_of_turn and job["stall"], send))
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            stream.cancel()
-
-        watcher = asyncio.create_task(watch())
-        try:
-            await stream
-        except asyncio.CancelledError:
-            pass
-        finally:
-            watcher.cancel()
+        await until_disconnect(receive, self._stream(job, first_of_turn and job["stall"], send))
 
     async def _stream(self, job: dict[str, Any], stall: bool, send: Any) -> None:
         headers = [(b"content-type", b"text/event-stream")]

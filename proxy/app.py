@@ -79,15 +79,7 @@ class Runtime:
         self.metrics.observe(record, kind)
         self.metrics.in_flight.dec()
         if record.outcome == "superseded":
-            logs.log_supersede(
-                record.turn,
-                record.attempt,
-                record.superseded_by,
-                self.config.server.log_format,
-                upstream=record.upstream,
-                fence_latency=record.fence_latency,
-                request_id=record.request_id,
-            )
+            logs.log_supersede(record, self.config.server.log_format)
         logs.log_request(record, self.config.server.log_format)
         self.status.finished(record)
 

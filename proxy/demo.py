@@ -14,7 +14,7 @@ import json
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -26,6 +26,25 @@ from proxy.config import load
 
 ANSWER = "The capital of France is Paris . It sits on the Seine .".split()
 STALL_AFTER = 4  # tokens the first attempt sends before it stalls
+
+
+async def until_disconnect(receive: Any, work: Coroutine[Any, Any, None]) -> None:
+    """Run a provider's `work`, cancelled the moment its client closes the connection:
+    how a real provider stops generating when the proxy fences an attempt."""
+    task = asyncio.create_task(work)
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        task.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    finally:
+        watcher.cancel()
 
 
 class Screen:
@@ -58,20 +77,7 @@ class Provider:
             pass
         self.requests += 1
         attempt = self.requests
-        stream = asyncio.create_task(self._stream(attempt, send))
-
-        async def watch() -> None:  # the provider notices its client closing the connection
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            stream.cancel()
-
-        watcher = asyncio.create_task(watch())
-        try:
-            await stream
-        except asyncio.CancelledError:
-            pass
-        finally:
-            watcher.cancel()
+        await until_disconnect(receive, self._stream(attempt, send))
 
     async def _stream(self, attempt: int, send: Any) -> None:
         sent = 0

@@ -102,51 +102,23 @@ def log_request(record: Record, fmt: str = "json") -> None:
         logger.info(line(record, fmt))
 
 
-def supersede_line(
-    turn: str,
-    old_attempt: int,
-    new_attempt: int | None,
-    fmt: str = "json",
-    *,
-    upstream: str = "",
-    fence_latency: float | None = None,
-    request_id: str = "",
-) -> str:
+def supersede_line(record: Record, fmt: str = "json") -> str:
     """Both attempts of a supersede, and how long the fence took to close the old one."""
     data: dict[str, object] = {
         "ts": round(time.time(), 3),
         "msg": "superseded",
-        "turn": turn,
-        "attempt": old_attempt,
-        "by_attempt": new_attempt,
-        "upstream": upstream,
-        "request_id": request_id,
-        "fence_latency_ms": _ms(fence_latency),
+        "turn": record.turn,
+        "attempt": record.attempt,
+        "by_attempt": record.superseded_by,
+        "upstream": record.upstream,
+        "request_id": record.request_id,
+        "fence_latency_ms": _ms(record.fence_latency),
     }
     if fmt == "text":
         return _text(data)
     return json.dumps(data)
 
 
-def log_supersede(
-    turn: str,
-    old_attempt: int,
-    new_attempt: int | None,
-    fmt: str = "json",
-    *,
-    upstream: str = "",
-    fence_latency: float | None = None,
-    request_id: str = "",
-) -> None:
+def log_supersede(record: Record, fmt: str = "json") -> None:
     if logger.isEnabledFor(logging.INFO):
-        logger.info(
-            supersede_line(
-                turn,
-                old_attempt,
-                new_attempt,
-                fmt,
-                upstream=upstream,
-                fence_latency=fence_latency,
-                request_id=request_id,
-            )
-        )
+        logger.info(supersede_line(record, fmt))
