@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import AsyncExitStack
+from typing import Any
 
 import httpx
+import pytest
 
 from tests.conftest import Proxy
 from tests.sse_client import Event, chat_body, events
@@ -237,3 +239,57 @@ async def test_client_leaving_mid_stream_closes_the_upstream(
         await seen.closed.wait()
     assert seen.events_sent == 1
     assert proxy.runtime.registry.live_keys() == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "check"),
+    [
+        (
+            "/v1/chat/completions",
+            lambda e: (
+                e.event is None
+                and e.json["choices"] == []
+                and e.json["error"]["code"] == "stream_superseded"
+            ),
+        ),
+        (
+            "/v1/responses",
+            lambda e: (
+                e.event == "error"
+                and e.json["type"] == "error"
+                and e.json["code"] == "stream_superseded"
+                and e.json["sequence_number"] == 1
+            ),
+        ),
+        (
+            "/v1/messages",
+            lambda e: e.event == "error" and e.json["error"]["type"] == "stream_superseded",
+        ),
+        (
+            "/v1beta/models/g:streamGenerateContent",
+            lambda e: (
+                e.event == "error"
+                and e.json["error"]["status"] == "ABORTED"
+                and e.json["error"]["code"] == 409
+            ),
+        ),
+        ("/v1/some/other/stream", lambda e: e.event == "error" and e.json["error"]["code"] == 409),
+    ],
+)
+async def test_each_dialect_ends_a_fenced_stream_with_its_own_frame(
+    proxy: Proxy, upstream: ScriptedUpstream, path: str, check: Any
+) -> None:
+    async with proxy.client() as client, AsyncExitStack() as stack:
+        a = await stack.enter_async_context(
+            client.stream(
+                "POST", path + "?alt=sse", json=chat_body(gated=True), headers={"X-Turn-Id": "d"}
+            )
+        )
+        a_events = events(a)
+        await anext(a_events)
+        await client.post(path, json=chat_body(stream=False), headers={"X-Turn-Id": "d"})
+        rest = [e async for e in a_events]
+    assert len(rest) == 1 and check(rest[0]), rest
+    assert "superseded" in rest[0].data
+    for terminator in ("[DONE]", "response.completed", "message_stop"):
+        assert terminator not in rest[0].data
