@@ -81,13 +81,15 @@ def fingerprint(route: str, path: str, body: bytes, ignore_fields: Iterable[str]
         return None
     try:
         parsed: Any = json.loads(body)
-    except ValueError:  # invalid JSON and invalid UTF-8 alike
+        if isinstance(parsed, dict):
+            for name in ignore_fields:
+                parsed.pop(name, None)
+        canonical = json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except (ValueError, RecursionError):  # invalid JSON or UTF-8; nested too deep to parse
         return None
-    if isinstance(parsed, dict):
-        for name in ignore_fields:
-            parsed.pop(name, None)
-    canonical = json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return _sha256(b"fingerprint", route.encode(), path.encode(), canonical.encode())
+    # A lone "\ud83d" escape (a truncated emoji) is valid JSON but not encodable as UTF-8.
+    text = canonical.encode("utf-8", "surrogatepass")
+    return _sha256(b"fingerprint", route.encode(), path.encode(), text)
 
 
 def resolve(

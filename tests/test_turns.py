@@ -248,3 +248,60 @@ def test_header_and_fingerprint_keys_never_collide() -> None:
     fp = fingerprint("default", "/v1/chat/completions", json.dumps(BODY).encode(), IGNORE)
     assert fp is not None
     assert key([(HEADER, fp.encode())]) != key()
+
+
+# --- bodies that once crashed the fingerprint ---------------------------------------------
+
+
+def test_lone_surrogate_escape_is_json_and_fingerprints() -> None:
+    # A truncated emoji: valid JSON, but the string is not encodable as UTF-8.
+    a = key(body=b'{"messages":[{"content":"cut \\ud83d"}]}')
+    b = key(body=b'{"messages":[{"content":"cut \\ud83e"}]}')
+    assert a is not None and b is not None and a != b
+    assert key(body=b'{"messages":[{"content":"cut \\ud83d"}], "stream":true}') == a
+
+
+@pytest.mark.parametrize("depth", [10_000, 100_000])
+def test_json_nested_too_deep_to_parse_gets_no_fingerprint(depth: int) -> None:
+    assert key(body=b"[" * depth + b"]" * depth) is None
+    assert key(body=b'{"a":' * depth + b"1" + b"}" * depth) is None
+    # An explicit turn id still works for such a body.
+    assert key([(HEADER, b"t")], b"[" * depth + b"]" * depth) is not None
+
+
+def test_moderately_nested_json_still_fingerprints() -> None:
+    assert key(body=b"[" * 100 + b"]" * 100) is not None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    body=st.binary(max_size=64)
+    | st.builds(lambda v: json.dumps(v).encode(), JSON)
+    | st.builds(
+        lambda s: json.dumps({"m": s}).encode(),
+        # Lone surrogates too (JSON escapes them); st.text() would never generate one.
+        st.lists(
+            st.characters()
+            | st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF, blacklist_categories=()),
+            max_size=8,
+        ).map("".join),
+    ),
+    headers=st.lists(
+        st.tuples(
+            st.sampled_from([HEADER, b"authorization", b"x-api-key", b"other"]),
+            st.binary(max_size=300),
+        ),
+        max_size=4,
+    ),
+    query=st.text(max_size=20),
+)
+def test_resolve_returns_a_key_or_none_or_raises_bad_request(
+    body: bytes, headers: list[tuple[bytes, bytes]], query: str
+) -> None:
+    try:
+        turn = key(headers, body, query=query)
+    except BadRequest:
+        assert any(name == HEADER for name, _ in headers)
+        return
+    if turn is not None:
+        assert len(turn.key) == 64
