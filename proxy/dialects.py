@@ -8,6 +8,7 @@ official SDKs raise on. Pure and I/O-free.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Final
 
 from proxy.errors import StreamfenceError
@@ -61,9 +62,23 @@ def _last_json(last_event: bytes | None) -> dict[str, Any]:
     data = parse_fields(last_event).get("data", "")
     try:
         parsed = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # the upstream's bytes: anything may come
         return {}
     return parsed if isinstance(parsed, dict) else {}
+
+
+def _plain(value: Any) -> bool:
+    # Only scalars are copied into a frame: a nested value may be too deep to encode again,
+    # and a lone surrogate escape ("\ud800") is valid JSON but not encodable as UTF-8.
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)  # NaN is not JSON
+    return value is None or isinstance(value, int)
 
 
 def stream_error_frame(dialect: str, error: StreamfenceError, last_event: bytes | None) -> bytes:
@@ -75,7 +90,7 @@ def stream_error_frame(dialect: str, error: StreamfenceError, last_event: bytes 
     code, message = error.code, error.message
     if dialect == OPENAI_CHAT:
         last = _last_json(last_event)
-        chunk = {k: last[k] for k in _CHAT_FIELDS if k in last}
+        chunk = {k: last[k] for k in _CHAT_FIELDS if k in last and _plain(last[k])}
         chunk.setdefault("object", "chat.completion.chunk")
         err: dict[str, Any] = {"type": code, "code": code, "message": message}
         return encode_event(_dumps({**chunk, "choices": [], "error": err}))

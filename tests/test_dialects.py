@@ -290,3 +290,31 @@ def test_bodies_are_utf8_json_without_escaping_text() -> None:
         raw = error_body(dialect, error)
         assert "caf\u00e9".encode() in raw
         json.loads(raw)
+
+
+# --- whatever the upstream's last event held, the frame still goes out --------------------
+
+HOSTILE_LAST = [
+    b"data: " + b"[" * 5000 + b"]" * 5000 + b"\n\n",  # too deep to parse
+    b'data: {"id":"\\ud800","model":"m"}\n\n',  # lone surrogate: not encodable as UTF-8
+    b'data: {"id":' + b"[" * 900 + b"]" * 900 + b',"model":"m"}\n\n',  # deep but parseable
+    b'data: {"id":{"a":1},"created":NaN,"model":["x"],"object":null}\n\n',
+    b'data: {"sequence_number":' + b"[" * 900 + b"]" * 900 + b"}\n\n",
+]
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+@pytest.mark.parametrize("last", HOSTILE_LAST)
+def test_frame_never_fails_on_a_hostile_last_event(dialect: str, last: bytes) -> None:
+    _, body = parse_frame(stream_error_frame(dialect, Superseded(1, 2), last))
+    if dialect == OPENAI_CHAT:
+        assert body["choices"] == [] and body["error"]["code"] == "stream_superseded"
+        assert body.get("model") in (None, "m")
+        assert "id" not in body and "created" not in body
+        assert body["object"] in ("chat.completion.chunk", None)
+
+
+def test_chat_frame_copies_non_ascii_model_names() -> None:
+    last = 'data: {"id":"c","model":"\u6a21\u578b","created":1.5}\n\n'.encode()
+    _, body = parse_frame(stream_error_frame(OPENAI_CHAT, Superseded(1), last))
+    assert (body["model"], body["created"]) == ("\u6a21\u578b", 1.5)
