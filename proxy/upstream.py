@@ -6,6 +6,7 @@ can swap it; the client itself is created in the app's lifespan, never at import
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -13,24 +14,52 @@ import httpx
 
 from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
+from proxy.transport import Transport
 
-# httpx's pool checks every idle keep-alive connection on each request; a small cap keeps
-# that cheap while still reusing connections for the next attempt.
-MAX_IDLE_CONNECTIONS = 32
+# Idle keep-alive connections kept per upstream host, for the next attempt.
+MAX_IDLE_CONNECTIONS = 64
 
 
 def create_client(transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=MAX_IDLE_CONNECTIONS)
-    if transport is None:
+    if transport is None and os.environ.get("STREAMFENCE_HTTP_TRANSPORT") == "httpx":
+        # httpx's default (httpcore + h11), for comparison in the benchmark.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
         transport = httpx.AsyncHTTPTransport(limits=limits, retries=0)
+    if transport is None:
+        # Our own HTTP/1.1 transport: httpx's default (httpcore + h11) costs ~110 us of CPU
+        # per relayed event; see proxy/transport.py and docs/benchmarks.md.
+        transport = Transport(max_idle_per_host=MAX_IDLE_CONNECTIONS)
     # trust_env=False: no proxy variables or .netrc credentials are picked up silently.
-    return httpx.AsyncClient(
+    return _Client(
         transport=transport,
-        limits=limits,
         follow_redirects=False,
         trust_env=False,
         timeout=None,
     )
+
+
+class _NoCookies(httpx.Cookies):
+    """A jar that keeps nothing. The client is shared by every caller: a cookie one
+    upstream response set must not ride along on another caller's request (Set-Cookie
+    still reaches the caller that got it), and extracting cookies costs CPU per request."""
+
+    def extract_cookies(self, response: httpx.Response) -> None:
+        pass
+
+    def set_cookie_header(self, request: httpx.Request) -> None:
+        pass
+
+
+class _Client(httpx.AsyncClient):
+    _no_cookies = _NoCookies()
+
+    @property
+    def cookies(self) -> httpx.Cookies:
+        return self._no_cookies
+
+    @cookies.setter
+    def cookies(self, cookies: object) -> None:
+        pass  # httpx's constructor sets it; nothing is ever kept
 
 
 def timeout_for(upstream: UpstreamConfig) -> httpx.Timeout:

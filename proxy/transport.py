@@ -1,0 +1,379 @@
+"""A small HTTP/1.1 transport for httpx, on the event loop, with httptools' parser.
+
+Why not httpx's own (httpcore + h11): profiled in the benchmark (docs/benchmarks.md), h11,
+httpcore and anyio cost about 110 us of CPU per relayed event and over a millisecond to
+the first token. Here a connection is an asyncio.Protocol: httptools (C) parses the
+response, the body of one socket read is handed to the reader as one chunk, and a read
+costs one future at most. httpx stays the client API; this is only its transport.
+
+What it promises, because the relay depends on it:
+- closing a response that is not finished closes its connection at once, never drains;
+- cancellation while waiting for headers (or anywhere) closes the connection;
+- a finished keep-alive response returns its connection to a bounded, expiring idle pool;
+- chunked, content-length and read-until-close bodies; TLS for https (default context);
+- failures raise httpx's exceptions, so upstream.translate_errors maps them as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+import httptools
+import httpx
+
+HIGH_WATER = 256 * 1024  # buffered, unread body bytes before reading from the socket pauses
+Key = tuple[str, str, int]
+
+
+class _Conn(asyncio.Protocol):
+    """One upstream connection, one request at a time."""
+
+    def __init__(self, pool: Transport, key: Key) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.idle_since = 0.0
+        self.reused = False
+        self._write_ready: asyncio.Future[None] | None = None
+        self._reset(head=False)
+
+    def _reset(self, head: bool) -> None:
+        self.head = head
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.status = 0
+        self.framed = False  # content-length or chunked: EOF before the end is an error
+        self.interim = False
+        self.started: asyncio.Future[None] | None = None
+        self.buffer: list[bytes] = []
+        self.buffered = 0
+        self.pieces: list[bytes] = []
+        self.complete = False
+        self.keep_alive = False
+        self.error: Exception | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.reading_paused = False
+
+    # -- asyncio.Protocol ------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        if self.started is None:  # idle: a server may not speak unasked
+            self.close()
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(httpx.RemoteProtocolError("upstream switched protocols"))
+            return
+        except httptools.HttpParserError as exc:
+            self._fail(httpx.RemoteProtocolError(f"malformed HTTP response: {exc}"))
+            return
+        if self.pieces:
+            pieces = self.pieces
+            self.buffer.append(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+            self.pieces = []
+            self.buffered += len(self.buffer[-1])
+            if self.buffered > HIGH_WATER and not self.reading_paused and self.transport:
+                self.reading_paused = True
+                self.transport.pause_reading()
+            self._wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool._forget(self)
+        if self._write_ready is not None and not self._write_ready.done():
+            self._write_ready.set_exception(httpx.WriteError("upstream closed the connection"))
+        if self.started is None or self.complete or self.error is not None:
+            return
+        if not self.started.done():
+            error: Exception = httpx.RemoteProtocolError(
+                "upstream closed the connection without sending a response"
+            )
+            if exc is not None:
+                error = httpx.ReadError(f"upstream connection failed: {exc!r}")
+            self._fail(error)
+        elif not self.framed and exc is None:
+            self.complete = True  # a body delimited by the end of the connection
+            self._wake()
+        else:
+            what = f": {exc!r}" if exc is not None else ""
+            self._fail(httpx.RemoteProtocolError(f"upstream body ended early{what}"))
+
+    def pause_writing(self) -> None:
+        self._write_ready = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._write_ready is not None and not self._write_ready.done():
+            self._write_ready.set_result(None)
+        self._write_ready = None
+
+    # -- httptools callbacks ---------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:  # 100 Continue and friends: the real response follows
+            self.interim = True
+            self.headers = []
+            return
+        self.status = status
+        for name, value in self.headers:
+            lname = name.lower()
+            if lname == b"content-length" or (
+                lname == b"transfer-encoding" and b"chunked" in value.lower()
+            ):
+                self.framed = True
+        if self.head:
+            # httptools cannot be told a HEAD response has no body: end it here and
+            # never reuse the connection.
+            self.complete = True
+        assert self.started is not None
+        if not self.started.done():
+            self.started.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        if not self.head:
+            self.pieces.append(body)
+
+    def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
+        self.complete = True
+        self.keep_alive = not self.head and self.parser.should_keep_alive()
+        self._wake()
+
+    # -- for the transport and the body stream --------------------------------------
+    def _fail(self, error: Exception) -> None:
+        self.error = error
+        if self.started is not None and not self.started.done():
+            self.started.set_exception(error)
+            self.started.exception()  # retrieved: the caller may be gone already
+        self._wake()
+        self.close()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def send(self, request: httpx.Request, timeouts: dict[str, Any]) -> None:
+        assert self.transport is not None
+        self._reset(head=request.method == "HEAD")
+        self.started = asyncio.get_running_loop().create_future()
+        head = [b"%s %s HTTP/1.1" % (request.method.encode(), request.url.raw_path)]
+        head += [b"%s: %s" % pair for pair in request.headers.raw]
+        chunked = request.headers.get("transfer-encoding", "").lower() == "chunked"
+        data = b"\r\n".join(head) + b"\r\n\r\n"
+        async for part in cast(httpx.AsyncByteStream, request.stream):
+            if chunked and part:
+                part = b"%x\r\n%s\r\n" % (len(part), part)
+            data += part
+            if len(data) > HIGH_WATER:
+                await self._write(data, timeouts.get("write"))
+                data = b""
+        if chunked:
+            data += b"0\r\n\r\n"
+        await self._write(data, timeouts.get("write"))
+
+    async def _write(self, data: bytes, seconds: float | None) -> None:
+        if self.closed or self.transport is None:
+            raise httpx.WriteError("upstream closed the connection")
+        self.transport.write(data)
+        if self._write_ready is not None:
+            try:
+                async with asyncio.timeout(seconds):
+                    await asyncio.shield(self._write_ready)
+            except TimeoutError:
+                raise httpx.WriteTimeout("upstream did not accept the request in time") from None
+
+    async def wait(self, future: asyncio.Future[None], seconds: float | None) -> None:
+        if future.done():
+            return future.result()
+        handle = None
+        if seconds is not None:
+            handle = asyncio.get_running_loop().call_later(seconds, self._timed_out, future)
+        try:
+            await future
+        finally:
+            if handle is not None:
+                handle.cancel()
+
+    def _timed_out(self, future: asyncio.Future[None]) -> None:
+        if not future.done():
+            future.set_exception(httpx.ReadTimeout("upstream sent nothing in time"))
+
+    def take(self) -> bytes | None:
+        """The buffered body, or None when the caller must wait."""
+        if self.buffer:
+            buffer = self.buffer
+            chunk = buffer[0] if len(buffer) == 1 else b"".join(buffer)
+            self.buffer = []
+            self.buffered = 0
+            if self.reading_paused and self.transport is not None:
+                self.reading_paused = False
+                self.transport.resume_reading()
+            return chunk
+        if self.error is not None:
+            raise self.error
+        if self.complete:
+            return b""
+        return None
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.close()
+            self.pool._forget(self)
+
+
+class _Body(httpx.AsyncByteStream):
+    """A response body. Closing it before its end closes the connection, at once."""
+
+    def __init__(self, conn: _Conn, read_timeout: float | None) -> None:
+        self.conn = conn
+        self.read_timeout = read_timeout
+        self.done = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        conn = self.conn
+        loop = asyncio.get_running_loop()
+        while True:
+            chunk = conn.take()
+            if chunk is None:
+                conn.waiter = loop.create_future()
+                try:
+                    await conn.wait(conn.waiter, self.read_timeout)
+                except BaseException:
+                    conn.close()
+                    raise
+                finally:
+                    conn.waiter = None
+                continue
+            if not chunk:
+                return
+            yield chunk
+
+    async def aclose(self) -> None:
+        if not self.done:
+            self.done = True
+            self.conn.pool._release(self.conn)
+
+
+class Transport(httpx.AsyncBaseTransport):
+    """httpx's transport interface over `_Conn`s, with an idle pool per upstream host."""
+
+    def __init__(
+        self,
+        *,
+        max_idle_per_host: int = 64,
+        keepalive_expiry: float = 5.0,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self.max_idle = max_idle_per_host
+        self.expiry = keepalive_expiry
+        self._ssl = ssl_context
+        self._idle: dict[Key, deque[_Conn]] = {}
+        self._all: set[_Conn] = set()
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context()
+            self._ssl.set_alpn_protocols(["http/1.1"])
+        return self._ssl
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        if url.scheme not in ("http", "https"):
+            raise httpx.UnsupportedProtocol(f"unsupported URL scheme {url.scheme!r}")
+        timeouts: dict[str, Any] = request.extensions.get("timeout", {})
+        key = (url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80))
+        conn = self._acquire(key) or await self._connect(key, timeouts.get("connect"))
+        try:
+            await conn.send(request, timeouts)
+            assert conn.started is not None
+            await conn.wait(conn.started, timeouts.get("read"))
+        except BaseException:
+            conn.close()  # cancelled or failed before the headers: nothing to reuse
+            raise
+        return httpx.Response(
+            conn.status,
+            headers=conn.headers,
+            stream=_Body(conn, timeouts.get("read")),
+            extensions={"http_version": b"HTTP/1.1"},
+        )
+
+    async def _connect(self, key: Key, seconds: float | None) -> _Conn:
+        scheme, host, port = key
+        tls = self._ssl_context() if scheme == "https" else None
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(seconds):
+                _, protocol = await loop.create_connection(
+                    lambda: _Conn(self, key),
+                    host,
+                    port,
+                    ssl=tls,
+                    server_hostname=host if tls else None,
+                )
+        except TimeoutError:
+            raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from None
+        except (OSError, ssl.SSLError, ssl.CertificateError) as exc:
+            raise httpx.ConnectError(f"could not connect to {host}:{port}: {exc}") from exc
+        self._all.add(protocol)
+        return protocol
+
+    def _acquire(self, key: Key) -> _Conn | None:
+        idle = self._idle.get(key)
+        if not idle:
+            return None
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()  # the most recently used: the least likely to have expired
+            if not conn.closed and now - conn.idle_since < self.expiry:
+                conn.reused = True
+                return conn
+            conn.close()
+        return None
+
+    def _release(self, conn: _Conn) -> None:
+        reusable = conn.complete and conn.keep_alive and not conn.closed and conn.error is None
+        if not reusable:
+            conn.close()
+            return
+        conn.started = None  # idle: unexpected data now closes it
+        conn.idle_since = time.monotonic()
+        idle = self._idle.setdefault(conn.key, deque())
+        while idle and (
+            len(idle) >= self.max_idle or conn.idle_since - idle[0].idle_since > self.expiry
+        ):
+            idle.popleft().close()
+        idle.append(conn)
+
+    def _forget(self, conn: _Conn) -> None:
+        self._all.discard(conn)
+        idle = self._idle.get(conn.key)
+        if idle and conn in idle:
+            idle.remove(conn)
+
+    def in_use(self) -> int:
+        """Open connections that carry a response not yet closed (for leak checks)."""
+        return sum(1 for c in self._all if c.started is not None and not c.closed)
+
+    def idle(self) -> int:
+        return sum(len(idle) for idle in self._idle.values())
+
+    async def aclose(self) -> None:
+        for conn in list(self._all):
+            conn.close()
+        self._idle.clear()

@@ -1,0 +1,328 @@
+"""proxy.transport against real servers on 127.0.0.1: raw asyncio servers whose every byte
+the test scripts, so framing, keep-alive, closes and resets are exactly what is asked for.
+
+Synchronisation is by events the server sets (request seen, EOF seen), never by sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+import trustme
+
+from proxy.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
+from proxy.transport import Transport
+from proxy.upstream import create_client, translate_errors
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+GUARD = 5.0  # seconds: a hang fails the test instead of the run
+
+
+class Server:
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.got_request = asyncio.Event()
+        self.saw_eof = asyncio.Event()
+        self.url = ""
+
+    async def read_request(self, reader: asyncio.StreamReader) -> bytes | None:
+        """One request's head and body (content-length or chunked); None at EOF."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            return None
+        body = b""
+        lower = head.lower()
+        if b"content-length:" in lower:
+            length = int(lower.split(b"content-length:")[1].split(b"\r\n")[0])
+            body = await reader.readexactly(length)
+        elif b"transfer-encoding: chunked" in lower:
+            while True:
+                size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+                body += (await reader.readexactly(size + 2))[:-2]
+                if size == 0:
+                    break
+        self.requests.append(head + body)
+        self.got_request.set()
+        return head + body
+
+    async def wait_eof(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while await reader.read(65536):
+                pass
+        except ConnectionError:
+            pass
+        self.saw_eof.set()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.handler(reader, writer)
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+
+@asynccontextmanager
+async def serve(
+    handler: Callable[[Server, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+    tls: ssl.SSLContext | None = None,
+) -> AsyncIterator[Server]:
+    server = Server(lambda r, w: handler(server, r, w))
+    srv = await asyncio.start_server(server._handle, "127.0.0.1", 0, ssl=tls)
+    port = srv.sockets[0].getsockname()[1]
+    server.url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+    try:
+        yield server
+    finally:
+        srv.close()
+
+
+def client(transport: Transport, **kw: object) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=transport, timeout=GUARD, **kw)  # type: ignore[arg-type]
+
+
+def content_length_response(body: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+async def keep_alive_echo(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    while (request := await server.read_request(r)) is not None:
+        body = request.split(b"\r\n\r\n", 1)[1]
+        w.write(content_length_response(b"echo:" + body))
+        await w.drain()
+
+
+async def test_keep_alive_connection_is_reused() -> None:
+    async with serve(keep_alive_echo) as server, client(Transport()) as c:
+        for i in range(3):
+            r = await c.post(server.url + "/x?q=1", content=b"hello %d" % i)
+            assert r.status_code == 200
+            assert r.content == b"echo:hello %d" % i
+        assert server.connections == 1
+        assert server.requests[0].startswith(b"POST /x?q=1 HTTP/1.1\r\n")
+        assert b"\r\nhost: 127.0.0.1:" in server.requests[0].lower()
+
+
+async def test_chunked_request_body_is_framed() -> None:
+    async def parts() -> AsyncIterator[bytes]:
+        yield b"one,"
+        yield b"two"
+
+    async with serve(keep_alive_echo) as server, client(Transport()) as c:
+        r = await c.post(server.url, content=parts())
+        assert r.content == b"echo:one,two"
+
+
+async def test_chunked_response_body_and_reuse_after_it() -> None:
+    async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while await server.read_request(r) is not None:
+            w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            for piece in (b"data: a\n\n", b"data: b\n\n"):
+                w.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                await w.drain()
+            w.write(b"0\r\n\r\n")
+            await w.drain()
+
+    async with serve(handler) as server, client(Transport()) as c:
+        for _ in range(2):
+            async with c.stream("GET", server.url) as r:
+                body = b"".join([chunk async for chunk in r.aiter_raw()])
+            assert body == b"data: a\n\ndata: b\n\n"
+        assert server.connections == 1
+
+
+async def test_body_delimited_by_close_is_read_to_the_end_and_not_reused() -> None:
+    async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await server.read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nall of it")
+        await w.drain()
+
+    transport = Transport()
+    async with serve(handler) as server, client(transport) as c:
+        assert (await c.get(server.url)).content == b"all of it"
+        assert (await c.get(server.url)).content == b"all of it"
+        assert server.connections == 2
+        assert transport.idle() == 0
+
+
+async def test_head_response_has_no_body() -> None:
+    async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await server.read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n")
+        await w.drain()
+        await server.wait_eof(r)
+
+    async with serve(handler) as server, client(Transport()) as c:
+        r = await c.head(server.url)
+        assert r.status_code == 200
+        assert r.content == b""
+
+
+async def test_interim_100_continue_is_skipped() -> None:
+    async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await server.read_request(r)
+        w.write(b"HTTP/1.1 100 Continue\r\n\r\n" + content_length_response(b"final"))
+        await w.drain()
+
+    async with serve(handler) as server, client(Transport()) as c:
+        r = await c.get(server.url)
+        assert (r.status_code, r.content) == (200, b"final")
+
+
+async def test_closing_an_unfinished_response_closes_the_connection_at_once() -> None:
+    release = asyncio.Event()
+
+    async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await server.read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await w.drain()
+        await server.wait_eof(r)
+        release.set()
+
+    transport = Transport()
+    async with serve(handler) as server, client(transport) as c:
+        async with c.stream("GET", server.url) as r:
+            chunks = r.aiter_raw()
+            assert await anext(chunks) == b"first"
+        # Not drained: the server never finished the body, yet it sees the close.
+        await asyncio.wait_for(server.saw_eof.wait(), GUARD)
+        assert transport.in_use() == 0
+        assert transport.idle() == 0
+
+
+async def test_cancel_while_waiting_for_headers_closes_the_connection() -> None:
+    async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await server.read_request(r)
+        await server.wait_eof(r)
+
+    transport = Transport()
+    async with serve(handler) as server, client(transport) as c:
+        task = asyncio.create_task(c.get(server.url))
+        await asyncio.wait_for(server.got_request.wait(), GUARD)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(server.saw_eof.wait(), GUARD)
+        assert transport.in_use() == 0
+
+
+async def test_idle_pool_is_bounded() -> None:
+    gate = asyncio.Event()
+
+    async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while await server.read_request(r) is not None:
+            if len(server.requests) == 4:
+                gate.set()
+            await gate.wait()  # all four are in flight at once, on four connections
+            w.write(content_length_response(b"ok"))
+            await w.drain()
+
+    transport = Transport(max_idle_per_host=2)
+    async with serve(handler) as server, client(transport) as c:
+        responses = await asyncio.gather(*(c.get(server.url) for _ in range(4)))
+        assert [r.content for r in responses] == [b"ok"] * 4
+        assert server.connections == 4
+        assert transport.idle() == 2
+        assert transport.in_use() == 0
+
+
+async def test_connection_refused_is_a_connect_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: refused
+        async with client(Transport()) as c:
+            with pytest.raises(httpx.ConnectError):
+                await c.get(f"http://127.0.0.1:{port}/")
+            with pytest.raises(UpstreamConnectError):
+                with translate_errors("up"):
+                    await c.get(f"http://127.0.0.1:{port}/")
+
+
+async def test_close_before_any_response_is_a_protocol_error() -> None:
+    async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await server.read_request(r)
+
+    async with serve(handler) as server, client(Transport()) as c:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await c.get(server.url)
+
+
+async def test_reset_mid_body_is_an_error_not_a_short_success() -> None:
+    async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await server.read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly ten..")
+        await w.drain()
+        sock = w.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        w.transport.abort()  # linger 0: an RST
+
+    async with serve(handler) as server, client(Transport()) as c:
+        with pytest.raises(UpstreamError):
+            with translate_errors("up"):
+                async with c.stream("GET", server.url) as r:
+                    async for _ in r.aiter_raw():
+                        pass
+
+
+async def test_silence_past_the_read_timeout_is_a_read_timeout() -> None:
+    async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await server.read_request(r)
+        await server.wait_eof(r)
+
+    async with serve(handler) as server, client(Transport()) as c:
+        with pytest.raises(UpstreamTimeout):
+            with translate_errors("up"):
+                await c.get(server.url, timeout=httpx.Timeout(GUARD, read=0.05))
+        await asyncio.wait_for(server.saw_eof.wait(), GUARD)
+
+
+async def test_unsupported_scheme() -> None:
+    async with client(Transport()) as c:
+        with pytest.raises(httpx.UnsupportedProtocol):
+            await c.get("ftp://127.0.0.1/")
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+async def test_tls_against_a_self_signed_server(ca: trustme.CA) -> None:
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    client_ctx = ssl.create_default_context()
+    ca.configure_trust(client_ctx)
+    async with serve(keep_alive_echo, tls=server_ctx) as server:
+        async with client(Transport(ssl_context=client_ctx)) as c:
+            for _ in range(2):
+                r = await c.post(server.url, content=b"secret")
+                assert r.content == b"echo:secret"
+            assert server.connections == 1
+        # Without the CA the certificate is not trusted: a connect error, not a response.
+        async with client(Transport()) as c:
+            with pytest.raises(httpx.ConnectError):
+                await c.post(server.url, content=b"secret")
+
+
+async def test_the_shared_client_keeps_no_cookies_between_callers() -> None:
+    async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while await server.read_request(r) is not None:
+            w.write(content_length_response(b"ok", b"set-cookie: session=caller-a; Path=/\r\n"))
+            await w.drain()
+
+    async with serve(handler) as server, create_client() as c:
+        first = await c.send(c.build_request("GET", server.url))
+        assert first.headers["set-cookie"].startswith("session=caller-a")  # passed on
+        await c.send(c.build_request("GET", server.url))
+        assert b"cookie:" not in server.requests[1].lower()
