@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 from proxy.dialects import DIALECTS
 
 ENV_PREFIX = "STREAMFENCE_"
+MAX_UPSTREAMS = 256  # STREAMFENCE_UPSTREAM_<index>_*: a typo'd huge index must not allocate
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token
 
 
@@ -155,6 +156,8 @@ def _apply(data: dict[str, Any], flat: Mapping[str, Any]) -> None:
                     upstreams[0][parts[1]] = value
                 continue
             index = int(parts[1])
+            if index >= MAX_UPSTREAMS:
+                raise ConfigError([f"upstream[{index}]: at most {MAX_UPSTREAMS} upstreams"])
             while len(upstreams) <= index:
                 upstreams.append({})
             if isinstance(upstreams[index], dict):

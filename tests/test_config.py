@@ -313,3 +313,9 @@ def test_turn_header_must_be_a_header_name(header: str) -> None:
 @pytest.mark.parametrize("header", ["X-Turn-Id", "x-agent-turn", "Turn_ID.v2"])
 def test_turn_header_names_that_work(header: str) -> None:
     assert load(env={}, overrides={**URL, "turns.header": header}).turns.header == header
+
+
+def test_an_environment_upstream_index_is_bounded() -> None:
+    with pytest.raises(ConfigError) as info:
+        load(env={"STREAMFENCE_UPSTREAM_99999999_URL": "http://127.0.0.1:1"})
+    assert info.value.problems == ["upstream[99999999]: at most 256 upstreams"]
