@@ -169,7 +169,8 @@ def _pct(values: list[float], q: float) -> float:
 
 def _summary(results: list[Result], expect_events: int) -> dict[str, Any]:
     ok = [r for r in results if not r.error and r.status == 200 and r.events == expect_events]
-    errors = sorted({r.error or f"status {r.status} events {r.events}" for r in results} - {""})
+    bad = [r for r in results if r not in ok]
+    errors = sorted({r.error or f"status {r.status}, {r.events} events" for r in bad})
     return {"requests": len(results), "completed": len(ok), "errors": errors[:5]}
 
 

@@ -55,6 +55,7 @@ SMOKE: dict[str, dict[str, Any]] = {
 }
 ROUNDS = {"B1": 3, "B2": 3, "B3": 3, "B4": 2, "B5": 2}
 FENCED_ONLY = {"B5"}  # meaningless without a fence: direct and nginx never close the old one
+FENCING = {"streamfence", "sf-httpx"}
 
 NGINX_CONF = """
 worker_processes 1;
@@ -172,17 +173,21 @@ def start_upstream(log: Any) -> tuple[subprocess.Popen[str], int]:
     return proc, int(line.split()[1])
 
 
-def start_streamfence(upstream: int, log: Any) -> Target:
+def start_streamfence(upstream: int, log: Any, name: str = "streamfence") -> Target:
     port = free_port()
     url = f"http://127.0.0.1:{upstream}"
+    env = dict(os.environ)
+    if name == "sf-httpx":  # the same proxy on httpx's default transport (httpcore + h11)
+        env["STREAMFENCE_HTTP_TRANSPORT"] = "httpx"
     proc = subprocess.Popen(
         [sys.executable, "-m", "proxy", "--upstream", url, "--port", str(port)],
         cwd=ROOT,
         stdout=log,
         stderr=log,
+        env=env,
     )
     wait_port(port, proc)
-    return Target("streamfence", port, proc, [proc.pid])
+    return Target(name, port, proc, [proc.pid])
 
 
 def nginx_binary() -> str | None:
@@ -256,6 +261,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, 
     raw: dict[str, dict[str, list[dict[str, Any]]]] = {}
     try:
         targets.append(start_streamfence(up_port, log))
+        if args.compare_httpx:
+            targets.append(start_streamfence(up_port, log, "sf-httpx"))
         binary = None if args.no_nginx else nginx_binary()
         if binary:
             targets.append(start_nginx(binary, up_port, workdir, log))
@@ -320,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, help="rounds per scenario and target")
     p.add_argument("--only", nargs="+", default=list(FULL), choices=list(FULL))
     p.add_argument("--no-nginx", action="store_true", help="skip nginx even if installed")
+    p.add_argument(
+        "--compare-httpx",
+        action="store_true",
+        help="also measure streamfence on httpx's default transport (target sf-httpx)",
+    )
     p.add_argument("--out", help="JSON output file (default bench/results/<time>.json)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
