@@ -115,6 +115,7 @@ class Conn(asyncio.Protocol):
             b"x-bench-tokens: %d" % tokens,
             b"x-bench-delay-ms: %d" % delay_ms,
             b"x-bench-id: %s" % rid.encode(),
+            b"x-request-id: %s" % rid.encode(),  # names it in the proxy's log too
         ]
         if turn is not None:
             head.append(b"x-turn-id: %s" % turn.encode())
@@ -218,14 +219,23 @@ async def concurrent(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def _supersede(port: int, tag: str, slots: asyncio.Semaphore) -> tuple[str, float, bool]:
-    """One supersede: a long attempt, and once its first event is in, a newer one."""
+async def _supersede(
+    port: int, tag: str, slots: asyncio.Semaphore, close_only: bool
+) -> tuple[str, float, bool]:
+    """One supersede: a long attempt, and once its first event is in, a newer one.
+
+    With `close_only` (targets without a fence: direct, nginx) the client closes the old
+    connection itself instead: the same signal path, for the floor to compare with."""
     old_id, turn = f"{tag}-old", f"{tag}-turn"
     old = await connect(port, slots)
     pending = old.request(10_000, 20, old_id, turn)
     assert old.first is not None
     waits: list[asyncio.Future[Any]] = [old.first, pending]
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    if close_only:
+        sent_at = time.monotonic()
+        old.close()
+        return old_id, sent_at, old.result.events > 0
     new = await connect(port, slots)
     sent_at = time.monotonic()
     newer = await new.request(1, 0, f"{tag}-new", turn)
@@ -243,10 +253,19 @@ async def fence(spec: dict[str, Any]) -> dict[str, Any]:
     load = asyncio.ensure_future(_load(spec["load"], slots))
     lanes, per_lane = spec["lanes"], spec["n"] // spec["lanes"]
 
+    # Paced, not back to back: each lane starts one supersede every interval, the lanes
+    # staggered, so the supersedes are spread over the load instead of saturating the proxy.
+    interval = spec["interval_ms"] / 1000
+    close_only = bool(spec.get("close_only"))
+    start = time.monotonic()
+
     async def lane(k: int) -> list[tuple[str, float, bool]]:
-        return [
-            await _supersede(spec["port"], f"{spec['tag']}-{k}-{i}", slots) for i in range(per_lane)
-        ]
+        tag, out = f"{spec['tag']}-{k}", []
+        for i in range(per_lane):
+            due = start + (i + k / lanes) * interval
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            out.append(await _supersede(spec["port"], f"{tag}-{i}", slots, close_only))
+        return out
 
     pairs = [
         p

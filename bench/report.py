@@ -50,6 +50,9 @@ def summarize(raw: Raw) -> dict[str, dict[str, dict[str, float]]]:
                 ms = [v for r in rounds for v in r["fence_ms"]]
                 m["fence p50 ms"], m["fence p99 ms"] = pct(ms, 0.5), pct(ms, 0.99)
                 m["fence max ms"] = max(ms) if ms else math.nan
+                own = [v for r in rounds for v in r.get("proxy_fence_ms", [])]
+                m["proxy fence p50 ms"] = pct(own, 0.5)
+                m["proxy fence p99 ms"] = pct(own, 0.99)
                 m["supersedes"] = sum(r["supersedes"] for r in rounds)
                 m["fenced"] = sum(r["fenced"] for r in rounds)
                 m["closes seen"] = sum(r["closed_seen"] for r in rounds)
@@ -105,6 +108,8 @@ ROWS: list[tuple[str, str, str]] = [
     ("B5", "closes seen", "{:.0f}"),
     ("B5", "fence p50 ms", "{:.2f}"),
     ("B5", "fence p99 ms", "{:.2f}"),
+    ("B5", "proxy fence p50 ms", "{:.2f}"),
+    ("B5", "proxy fence p99 ms", "{:.2f}"),
     ("B5", "load completed", "{:.0f}"),
 ]
 

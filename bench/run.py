@@ -43,6 +43,7 @@ FULL: dict[str, dict[str, Any]] = {
         "kind": "fence",
         "n": 500,
         "lanes": 10,
+        "interval_ms": 40,  # 10 lanes x 50 supersedes, 250/s: spread over the 2 s load
         "load": {"n": 200, "tokens": 100, "delay_ms": 20},
     },
 }
@@ -51,11 +52,16 @@ SMOKE: dict[str, dict[str, Any]] = {
     "B2": {"kind": "throughput", "tokens": 2_000},
     "B3": {"kind": "concurrent", "n": 20, "tokens": 10, "delay_ms": 5},
     "B4": {"kind": "concurrent", "n": 100, "tokens": 5, "delay_ms": 10},
-    "B5": {"kind": "fence", "n": 20, "lanes": 4, "load": {"n": 20, "tokens": 10, "delay_ms": 5}},
+    "B5": {
+        "kind": "fence",
+        "n": 20,
+        "lanes": 4,
+        "interval_ms": 5,
+        "load": {"n": 20, "tokens": 10, "delay_ms": 5},
+    },
 }
 ROUNDS = {"B1": 3, "B2": 3, "B3": 3, "B4": 2, "B5": 2}
-FENCED_ONLY = {"B5"}  # meaningless without a fence: direct and nginx never close the old one
-FENCING = {"streamfence", "sf-httpx"}
+FENCING = {"streamfence", "sf-httpx"}  # the others get B5's close-only floor
 
 NGINX_CONF = """
 worker_processes 1;
@@ -146,6 +152,7 @@ class Target:
     port: int
     proc: subprocess.Popen[Any] | None = None  # None: direct, the upstream itself
     pids: list[int] = field(default_factory=list)  # whose CPU and RSS count as the proxy's
+    log: Path | None = None
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -179,15 +186,33 @@ def start_streamfence(upstream: int, log: Any, name: str = "streamfence") -> Tar
     env = dict(os.environ)
     if name == "sf-httpx":  # the same proxy on httpx's default transport (httpcore + h11)
         env["STREAMFENCE_HTTP_TRANSPORT"] = "httpx"
+    own_log = Path(log.name).with_name(f"{name}.log")
     proc = subprocess.Popen(
         [sys.executable, "-m", "proxy", "--upstream", url, "--port", str(port)],
         cwd=ROOT,
         stdout=log,
-        stderr=log,
-        env=env,
+        stderr=own_log.open("w"),
+        env={**env, "STREAMFENCE_SERVER_LOG_FORMAT": "json"},
     )
     wait_port(port, proc)
-    return Target(name, port, proc, [proc.pid])
+    return Target(name, port, proc, [proc.pid], own_log)
+
+
+def proxy_fence_ms(log: Path, tag: str) -> list[float]:
+    """The proxy's own fence latencies (lease superseded -> upstream closed, its clock) for
+    the supersedes of one measurement, from its JSON request log."""
+    out = []
+    for line in log.read_text().splitlines():
+        if '"superseded"' in line and tag in line:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            rid = str(entry.get("request_id", ""))
+            if entry.get("msg") == "superseded" and rid.startswith(tag):
+                if entry.get("fence_latency_ms") is not None:
+                    out.append(float(entry["fence_latency_ms"]))
+    return out
 
 
 def nginx_binary() -> str | None:
@@ -230,6 +255,8 @@ def measure(
     scenario: str, spec: dict[str, Any], target: Target, upstream: subprocess.Popen[Any], tag: str
 ) -> dict[str, Any]:
     spec = {**spec, "port": target.port, "tag": tag}
+    if spec["kind"] == "fence" and target.name not in FENCING:
+        spec["close_only"] = True  # no fence: the client closes the old stream itself
     if spec["kind"] == "fence":
         spec["load"] = {**spec["load"], "port": target.port, "tag": tag + "-load"}
     reset_peak_rss(target.pids)
@@ -243,6 +270,8 @@ def measure(
         "proxy": cpu_seconds(target.pids) - before[1] if target.pids else None,
     }
     result["run_s"] = wall
+    if spec["kind"] == "fence" and target.log is not None:
+        result["proxy_fence_ms"] = proxy_fence_ms(target.log, tag)
     if target.pids:
         result["peak_rss_mb"] = max(status_kb(p, "VmHWM") for p in target.pids) / 1024
     return result
@@ -271,9 +300,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, 
             measure("warmup", warm, t, upstream, "warm")
         for scenario in scenarios:
             spec = {**sizes[scenario], "upstream_port": up_port}
-            eligible = [
-                t for t in targets if scenario not in FENCED_ONLY or t.name == "streamfence"
-            ]
+            eligible = targets
             raw[scenario] = {t.name: [] for t in eligible}
             for r in range(rounds[scenario]):
                 order = eligible[r % len(eligible) :] + eligible[: r % len(eligible)]
@@ -299,7 +326,12 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, 
         "notes": [
             "B5 fence latency: from the client's send time of the newer request (an"
             " approximation of its arrival at the proxy, which can only be later) to the"
-            " upstream seeing the old connection close; both on time.monotonic().",
+            " upstream seeing the old connection close; both on time.monotonic()."
+            " direct and nginx have no fence: there the client closes the old connection"
+            " itself at that moment, so their column is the floor of the same signal path"
+            " (one process hop direct, two through nginx, as through streamfence)."
+            " 'proxy fence' is the proxy's own measure (its JSON log): from the lease being"
+            " superseded to the old upstream response closed.",
         ],
     }
 
