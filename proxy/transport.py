@@ -277,7 +277,9 @@ class Transport(httpx.AsyncBaseTransport):
         self,
         *,
         max_idle_per_host: int = 64,
-        keepalive_expiry: float = 5.0,
+        # Under the 5 s idle timeout of uvicorn and Node servers, so a pooled connection
+        # is not reused just as the server closes it (that request would fail with a 502).
+        keepalive_expiry: float = 4.0,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.max_idle = max_idle_per_host

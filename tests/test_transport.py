@@ -326,3 +326,11 @@ async def test_the_shared_client_keeps_no_cookies_between_callers() -> None:
         assert first.headers["set-cookie"].startswith("session=caller-a")  # passed on
         await c.send(c.build_request("GET", server.url))
         assert b"cookie:" not in server.requests[1].lower()
+
+
+async def test_an_idle_connection_past_its_expiry_is_not_reused() -> None:
+    transport = Transport(keepalive_expiry=0.0)  # every idle connection has expired
+    async with serve(keep_alive_echo) as server, client(transport) as c:
+        for _ in range(2):
+            assert (await c.post(server.url, content=b"x")).content == b"echo:x"
+        assert server.connections == 2
