@@ -91,6 +91,12 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._timer is not None:
+            # close() will not run now (closed is set): a timer left armed would hold this
+            # connection, its stored error and that error's frames (a whole request) until
+            # the idle timeout, minutes later. Found by the soak test.
+            self._timer.cancel()
+            self._timer = None
         self.pool._forget(self)
         if self._write_ready is not None and not self._write_ready.done():
             self._write_ready.set_exception(httpx.WriteError("upstream closed the connection"))
