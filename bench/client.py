@@ -273,7 +273,15 @@ async def fence(spec: dict[str, Any]) -> dict[str, Any]:
         for p in lane_pairs
     ]
     load_results = await load
-    closes = await _fetch_closes(spec["upstream_port"])
+    # The upstream may see a close a moment after the client saw its stream end (the proxy
+    # closes the upstream, then writes the frame): ask again until every one is in.
+    closes: dict[str, float] = {}
+    deadline = time.monotonic() + 5
+    while True:
+        closes.update(await _fetch_closes(spec["upstream_port"]))
+        if all(old in closes for old, _, _ in pairs) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.01)
     latencies = [(closes[old] - sent) * 1000 for old, sent, _ in pairs if old in closes]
     return {
         "supersedes": len(pairs),
