@@ -106,12 +106,16 @@ class Relay:
                 tg.start_soon(self._watch_disconnect, receive, tg.cancel_scope)
                 send = self._bounded(send, tg.cancel_scope)
                 await self._run(send)
+                if self.headers_sent:
+                    # Inside the race: a client that never takes this last write is dropped
+                    # by the write timeout like any other (uvicorn's send returns without
+                    # suspending once it has written, so `done` is set before the watcher
+                    # can see the finished response as a disconnect).
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
                 self.done = True
                 tg.cancel_scope.cancel()
             if self.client_gone:
                 self.record.outcome = "client_gone"
-            elif self.headers_sent:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             with anyio.CancelScope(shield=True):
                 await self._close_upstream()

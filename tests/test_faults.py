@@ -548,3 +548,18 @@ async def test_sigterm_ends_streams_still_running_after_the_grace_with_an_error_
     assert code == 0, stderr
     assert 0.4 < loop.time() - signalled < 3.5
     assert "Traceback" not in stderr
+
+
+async def test_client_that_stops_reading_at_the_very_end_is_still_dropped(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory
+) -> None:
+    # One event larger than every buffer on the way: the proxy's write of it leaves the
+    # transport over its high-water mark, so the write that blocks is the response's last
+    # (the empty end-of-body), after the upstream has already finished.
+    upstream.default = Script(raw_bytes=[b"data: " + b"x" * (12 << 20) + b"\n\n"], stream=True)
+    async with make_proxy(upstream.url, **{"server.write_timeout": 0.5}) as p:
+        client = await SlowClient.open(p.url, CHAT, {"X-Turn-Id": "end"})
+        [record] = await settled(p)
+        client.close()
+    assert upstream.seen[0].finished
+    assert (record.outcome, record.error) == ("client_gone", "client_write_timeout")
