@@ -24,8 +24,8 @@ def create_client(transport: httpx.AsyncBaseTransport | None = None) -> httpx.As
     if transport is None and os.environ.get("STREAMFENCE_HTTP_TRANSPORT") == "fast":
         # Our own HTTP/1.1 transport: httpx's default (httpcore + h11) costs ~110 us of CPU
         # per relayed event; see proxy/transport.py and docs/benchmarks.md. Opt-in for now:
-        # under tests/stress/test_stress.py (1,000 turns, one asyncio loop) a few upstream
-        # connections stop being read while the kernel holds their data (under study).
+        # tests/stress/test_stress.py (1,000 turns, one asyncio loop) does not pass reliably
+        # on it yet (docs/benchmarks.md).
         transport = Transport(max_idle_per_host=MAX_IDLE_CONNECTIONS)
     if transport is None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
