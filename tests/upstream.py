@@ -361,6 +361,10 @@ async def serve(app: Any, **config: Any) -> AsyncIterator[tuple[str, uvicorn.Ser
         http="httptools",
         ws="none",
         timeout_graceful_shutdown=2,
+        # Longer than httpx's 5 s keep-alive expiry: with equal timeouts a client can pick a
+        # pooled connection in the instant the server closes it (a ReadError before any
+        # response), which in a long stress run happens to some request sooner or later.
+        timeout_keep_alive=30,
         access_log=False,
         server_header=False,
         date_header=False,

@@ -189,7 +189,8 @@ class Driver:
                 assert prev.seen is not None
                 prev.sent_when_fenced = prev.seen.events_sent
             tasks.append(asyncio.create_task(self._client(run, turn_id, hold)))
-            run.seen = await arrived  # claimed by the proxy before it was forwarded
+            async with asyncio.timeout(harness.WAIT_LIMIT):  # a lost request fails, not hangs
+                run.seen = await arrived  # claimed by the proxy before it was forwarded
             if prev is not None and not prev.live_when_fenced:
                 assert prev.seen is not None
                 prev.seen.release(PUSH)  # it was over anyway: let its upstream finish
