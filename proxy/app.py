@@ -9,6 +9,7 @@ responses here, in one place, in the caller's dialect.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import uuid
@@ -63,6 +64,8 @@ class Runtime:
         self.drop_headers = {self.turn_header, ACCESS_TOKEN_HEADER}
         self.token = config.server.access_token.encode()
         self.active: set[Relay] = set()  # in flight: for the status page and shutdown
+        self._idle = asyncio.Event()  # set while nothing is in flight
+        self._idle.set()
         budget = Budget(config.server.join_buffer_total_bytes)
         self.join_tables = {
             up.name: StreamTable(_join_policy(up), budget)
@@ -70,6 +73,11 @@ class Runtime:
             if up.on_retry != "supersede"
         }
         self.status = status.StatusBoard()
+
+    async def wait_idle(self) -> None:
+        """Until every relay in flight has finished (lease released, record observed):
+        a client may hold its whole response a moment before that."""
+        await self._idle.wait()
 
     def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
         if not self.token:
@@ -134,11 +142,14 @@ class ProxyEndpoint:
                 last_event_id=last_event_id,
             )
         rt.active.add(relay)
+        rt._idle.clear()
         rt.status.changed()
         try:
             await relay(scope, receive, send)
         finally:
             rt.active.discard(relay)
+            if not rt.active:
+                rt._idle.set()
 
     async def _accept(
         self,

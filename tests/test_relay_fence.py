@@ -106,6 +106,7 @@ async def test_current_attempt_is_never_fenced(proxy: Proxy, upstream: ScriptedU
             assert "".join(e.text for e in got) == "0 1 2 3 "
             assert got[-1].data == "[DONE]"
             assert not any(e.is_error for e in got)
+    await proxy.runtime.wait_idle()
     assert proxy.runtime.registry.live_keys() == 0
 
 
@@ -226,6 +227,7 @@ async def test_client_leaving_before_headers_closes_the_upstream(
         task.cancel()
         await seen.closed.wait()
     assert seen.events_sent == 0
+    await proxy.runtime.wait_idle()
     assert proxy.runtime.registry.live_keys() == 0
 
 
@@ -238,6 +240,7 @@ async def test_client_leaving_mid_stream_closes_the_upstream(
         seen = upstream.seen[0]
         await seen.closed.wait()
     assert seen.events_sent == 1
+    await proxy.runtime.wait_idle()
     assert proxy.runtime.registry.live_keys() == 0
 
 

@@ -139,5 +139,6 @@ async def test_sdk_with_retries_does_not_resend_a_request_fenced_before_headers(
         await loser
     assert winner is not None
     assert len(upstream.seen) == 2  # one attempt each: the loser was not re-sent
+    await proxy.runtime.wait_idle()
     assert proxy.runtime.registry.live_keys() == 0
     await client.close()
