@@ -189,8 +189,14 @@ class Driver:
                 assert prev.seen is not None
                 prev.sent_when_fenced = prev.seen.events_sent
             tasks.append(asyncio.create_task(self._client(run, turn_id, hold)))
-            async with asyncio.timeout(harness.WAIT_LIMIT):  # a lost request fails, not hangs
-                run.seen = await arrived  # claimed by the proxy before it was forwarded
+            try:  # a lost request fails the test, with what its client saw, instead of hanging
+                async with asyncio.timeout(harness.WAIT_LIMIT):
+                    run.seen = await arrived  # claimed by the proxy before it was forwarded
+            except TimeoutError:
+                raise AssertionError(
+                    f"{run.tag} never reached the upstream: status {run.status}, "
+                    f"client error {run.broken!r}, body {run.body!r}"
+                ) from None
             if prev is not None and not prev.live_when_fenced:
                 assert prev.seen is not None
                 prev.seen.release(PUSH)  # it was over anyway: let its upstream finish
