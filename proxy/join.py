@@ -101,9 +101,9 @@ class JoinRelay(Relay):
         return self.stream is not None and self.stream.is_sse
 
     async def _relay_events(self, send: Send) -> None:
-        stream, lease, record = self.stream, self.lease, self.record
+        stream = self.stream
         assert stream is not None
-        record.streaming = True
+        self.record.streaming = True
         await self._start(send, reframed=True)
         cursor = self.cursor
         while True:
@@ -111,11 +111,8 @@ class JoinRelay(Relay):
             events = stream.since(cursor)
             if not events:
                 break  # done, everything written
-            # The fence check, as in Relay._relay_events: no await before the write.
-            if lease is not None and lease.superseded_at is not None:
-                record.dropped += len(events)
+            if not await self._deliver(send, events):
                 return
-            await self._write(send, events)
             cursor += len(events)
             stream.written(self, cursor)
         if stream.error is not None:

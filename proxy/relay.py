@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import anyio.lowlevel
 import httpx
 
 from proxy import dialects, upstream
@@ -114,8 +113,6 @@ class Relay:
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 self.done = True
                 tg.cancel_scope.cancel()
-            if self.client_gone:
-                self.record.outcome = "client_gone"
         finally:
             with anyio.CancelScope(shield=True):
                 await self._close_upstream()
@@ -174,15 +171,15 @@ class Relay:
             except StreamfenceError as exc:
                 self.error = exc
         self._fence = None
-        if fence.cancel_called and not self.completed and self.abort_error is not None:
-            await self._close_upstream()
-            self.error = self.abort_error
-            await self._end_with_error(send, self.abort_error)
-        elif fence.cancel_called and not self.completed:
+        if fence.cancel_called and not self.completed:
             await self._close_upstream()  # first: the fence's promise is a closed upstream
-            assert self.lease is not None and self.lease.superseded_at is not None
-            self.record.fence_latency = time.perf_counter() - self.lease.superseded_at
-            await self._end_superseded(send)
+            if self.abort_error is not None:
+                self.error = self.abort_error
+                await self._end_with_error(send, self.abort_error)
+            else:
+                assert self.lease is not None and self.lease.superseded_at is not None
+                self.record.fence_latency = time.perf_counter() - self.lease.superseded_at
+                await self._end_superseded(send)
         elif self.error is not None:
             await self._end_with_error(send, self.error)
         elif not self.completed:
@@ -224,7 +221,6 @@ class Relay:
         assert self.response is not None
         self.record.streaming = True
         await self._start(send, reframed=True)
-        lease, record = self.lease, self.record
         splitter = SSESplitter(self.ex.max_event_bytes)
         # An encoded SSE body must be decoded to find its events; it goes out plain.
         decode = "content-encoding" in self.response.headers
@@ -232,21 +228,28 @@ class Relay:
         with upstream.translate_errors(self.ex.upstream_name):
             async for chunk in chunks:
                 events = splitter.feed(chunk)
-                if events:
-                    # The fence check. Nothing awaits between it and the write, so it holds
-                    # for every event of the batch: one write, all checked at one instant.
-                    if lease is not None and lease.superseded_at is not None:
-                        record.dropped += len(events)
-                        return
-                    await self._write(send, events)
+                if events and not await self._deliver(send, events):
+                    return
                 if splitter.error is not None:
                     raise splitter.error
         tail = splitter.flush()
-        if tail and (lease is None or lease.superseded_at is None):
-            await self._write(send, tail)
+        if tail and not await self._deliver(send, tail):
+            return
         if splitter.error is not None:
             raise splitter.error
         self.completed = True
+
+    async def _deliver(self, send: Send, events: list[bytes]) -> bool:
+        """The fence check, then the write; False when fenced (the events are dropped).
+
+        Nothing awaits between the check and the write, so the check holds for every
+        event of the batch: one write, all of it checked at one instant."""
+        lease = self.lease
+        if lease is not None and lease.superseded_at is not None:
+            self.record.dropped += len(events)
+            return False
+        await self._write(send, events)
+        return True
 
     async def _write(self, send: Send, events: list[bytes]) -> None:
         body = events[0] if len(events) == 1 else b"".join(events)
@@ -304,7 +307,9 @@ class Relay:
     async def _finish(self) -> None:
         record = self.record
         if record.outcome == "pending":
-            if self.completed:
+            if self.client_gone:
+                record.outcome = "client_gone"
+            elif self.completed:
                 record.outcome = "completed"
             elif self.error is not None:
                 record.outcome = "upstream_error"
