@@ -74,6 +74,16 @@ class Runtime:
         }
         self.status = status.StatusBoard()
 
+    def begin(self, relay: Relay) -> None:
+        self.active.add(relay)
+        self._idle.clear()
+        self.status.changed()
+
+    def end(self, relay: Relay) -> None:
+        self.active.discard(relay)
+        if not self.active:
+            self._idle.set()
+
     async def wait_idle(self) -> None:
         """Until every relay in flight has finished (lease released, record observed):
         a client may hold its whole response a moment before that."""
@@ -141,15 +151,11 @@ class ProxyEndpoint:
                 body_hash=body_hash,
                 last_event_id=last_event_id,
             )
-        rt.active.add(relay)
-        rt._idle.clear()
-        rt.status.changed()
+        rt.begin(relay)
         try:
             await relay(scope, receive, send)
         finally:
-            rt.active.discard(relay)
-            if not rt.active:
-                rt._idle.set()
+            rt.end(relay)
 
     async def _accept(
         self,
@@ -221,7 +227,9 @@ class ProxyEndpoint:
         table = self.rt.join_tables.get(name)
         if table is None or turn is None:
             return None
-        body_hash = turns.fingerprint(name, path, body, self.rt.config.turns.ignore_fields)
+        body_hash = turn.body_fingerprint or turns.fingerprint(
+            name, path, body, self.rt.config.turns.ignore_fields
+        )
         if body_hash is None:
             return None
         raw = next((v for n, v in headers if n == LAST_EVENT_ID), None)

@@ -29,6 +29,9 @@ Headers = Iterable[tuple[bytes, bytes]]
 class TurnKey:
     key: str  # hex SHA-256: safe to store, log and return
     source: str  # "header" or "fingerprint"
+    # The body's fingerprint when it was computed for the key: join mode reuses it rather
+    # than parsing and canonicalising the body a second time.
+    body_fingerprint: str | None = None
 
     @property
     def short(self) -> str:
@@ -115,4 +118,4 @@ def resolve(
     fp = fingerprint(route, path, body, ignore_fields)
     if fp is None:
         return None
-    return TurnKey(_sha256(b"turn-fp", scope, fp.encode()), "fingerprint")
+    return TurnKey(_sha256(b"turn-fp", scope, fp.encode()), "fingerprint", fp)
