@@ -72,6 +72,41 @@ def error_response_parts(
     )
 
 
+class _WriteGuard:
+    """Calls `expire` once a client write has stayed blocked for `timeout` seconds.
+
+    One timer per relay, re-armed lazily, not one per write: a relayed event is one write,
+    and nearly every write returns without blocking."""
+
+    __slots__ = ("_expire", "_timeout", "_timer", "blocked_since", "loop")
+
+    def __init__(self, timeout: float, expire: Callable[[], None]) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._timeout = timeout
+        self._expire = expire
+        self._timer: asyncio.TimerHandle | None = None
+        self.blocked_since: float | None = None  # loop time a write began, None between
+
+    def arm(self) -> None:
+        if self._timer is None:
+            self._timer = self.loop.call_later(self._timeout, self._check)
+
+    def _check(self) -> None:
+        self._timer = None
+        if self.blocked_since is None:
+            return  # no write under way: the next write arms a new timer
+        left = self.blocked_since + self._timeout - self.loop.time()
+        if left <= 0:
+            self._expire()
+        else:
+            self._timer = self.loop.call_later(left, self._check)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
 class Relay:
     """An ASGI response: forwards one exchange and relays its answer under the fence."""
 
@@ -98,6 +133,7 @@ class Relay:
         self.done = False  # the response is complete: a disconnect now is not the client leaving
         self.abort_error: StreamfenceError | None = None
         self._fence: anyio.CancelScope | None = None
+        self._write_guard: _WriteGuard | None = None
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         try:
@@ -114,6 +150,8 @@ class Relay:
                 self.done = True
                 tg.cancel_scope.cancel()
         finally:
+            if self._write_guard is not None:
+                self._write_guard.disarm()
             with anyio.CancelScope(shield=True):
                 await self._close_upstream()
                 await self._finish()
@@ -133,21 +171,21 @@ class Relay:
         timeout = self.ex.write_timeout
         if not timeout:
             return send
-        loop = asyncio.get_running_loop()
 
         def expire() -> None:
             self.client_gone = True
             self.record.error = "client_write_timeout"
             scope.cancel()  # the blocked send, and the race, end here
 
+        guard = self._write_guard = _WriteGuard(timeout, expire)
+
         async def send_or_drop(message: Message) -> None:
-            # A loop timer, not a cancel scope per write: profiled, anyio's move_on_after
-            # was ~10% of the proxy's CPU in the benchmark's B3 (docs/benchmarks.md).
-            timer = loop.call_later(timeout, expire)
+            guard.blocked_since = guard.loop.time()
+            guard.arm()
             try:
                 await send(message)
             finally:
-                timer.cancel()
+                guard.blocked_since = None
 
         return send_or_drop
 
