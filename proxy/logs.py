@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 logger = logging.getLogger("streamfence")
 
@@ -57,21 +57,18 @@ class Record:
         return None if self.first_byte_at is None else self.first_byte_at - self.started
 
 
+# The raw clock readings are logged as the durations derived from them.
+_CLOCKS = {"started", "forwarded_at", "upstream_headers_at", "first_byte_at", "finished_at"}
+_LOGGED = tuple(f.name for f in fields(Record) if f.name not in _CLOCKS | {"fence_latency"})
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
 
 
 def line(record: Record, fmt: str = "json") -> str:
-    data = asdict(record)
-    for key in (
-        "started",
-        "forwarded_at",
-        "upstream_headers_at",
-        "first_byte_at",
-        "finished_at",
-        "fence_latency",
-    ):
-        data.pop(key)
+    # Every field is a plain value: read them directly (asdict deep-copies, per request).
+    data: dict[str, object] = {name: getattr(record, name) for name in _LOGGED}
     data.update(
         ttfb_ms=_ms(record.ttfb),
         duration_ms=_ms(record.duration),
