@@ -137,7 +137,8 @@ async def test_sdk_with_retries_does_not_resend_a_request_fenced_before_headers(
     winner = await create(**kwargs, extra_headers={"X-Turn-Id": "sdk"})
     with pytest.raises(conflict):
         await loser
-    assert winner is not None
+    text = winner.choices[0].message.content if sdk == "openai" else winner.content[0].text
+    assert text == "0 1 2 "  # the winner's own answer, from its own upstream request
     assert len(upstream.seen) == 2  # one attempt each: the loser was not re-sent
     await proxy.runtime.wait_idle()
     assert proxy.runtime.registry.live_keys() == 0
