@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from proxy.registry.base import Lease, Registry
+from proxy.registry.base import Lease
 from proxy.registry.memory import MemoryRegistry
 
 T = TypeVar("T")
@@ -54,18 +54,18 @@ def test_claim_supersedes_the_previous_holder_and_runs_its_callbacks_once() -> N
     calls: list[str] = []
     first.on_superseded(lambda: calls.append("one"))
     first.on_superseded(lambda: calls.append("two"))
-    assert Registry.is_current(first) and not first.superseded
+    assert not first.superseded and not first.superseded
     second = claim(reg, "k")
     assert calls == ["one", "two"]
-    assert first.superseded and not Registry.is_current(first)
+    assert first.superseded and first.superseded
     assert first.newer_attempt == 2 and first.superseded_at is not None
-    assert Registry.is_current(second)
+    assert not second.superseded
     third = claim(reg, "k")
     first.supersede(newer_attempt=9)  # idempotent: nothing runs twice, nothing changes
     assert calls == ["one", "two"]
     assert first.newer_attempt == 2
     assert second.superseded and second.newer_attempt == 3
-    assert Registry.is_current(third)
+    assert not third.superseded
 
 
 def test_other_keys_are_never_touched() -> None:
@@ -99,7 +99,7 @@ def test_release_of_an_older_lease_never_fences_or_frees_the_newest() -> None:
     old = claim(reg, "k")
     new = claim(reg, "k")
     release(reg, old)
-    assert Registry.is_current(new)
+    assert not new.superseded
     assert reg.live_keys() == 1
     # The key is still held, so the next claim is attempt 3 and fences `new`.
     newest = claim(reg, "k")
@@ -198,7 +198,7 @@ class Fencing(RuleBasedStateMachine):
         for old in before:
             assert old.superseded
             assert self.calls[old.token] == 1
-        assert Registry.is_current(lease)
+        assert not lease.superseded
         assert lease.attempt == (previous[-1].attempt + 1 if before else 1)
         self.claimed.append(lease)
 
@@ -228,7 +228,7 @@ class Fencing(RuleBasedStateMachine):
     @invariant()
     def one_current_lease_per_key_and_it_is_the_newest(self) -> None:
         for key in ("a", "b", "c"):
-            current = [lease for lease in self.live(key) if Registry.is_current(lease)]
+            current = [lease for lease in self.live(key) if not lease.superseded]
             assert len(current) <= 1
             if current:
                 newest = [lease for lease in self.claimed if lease.key == key][-1]

@@ -71,10 +71,6 @@ class Registry(ABC):
     async def release(self, lease: Lease) -> None:
         """The attempt ended. Removes the key only if `lease` still holds it."""
 
-    @staticmethod
-    def is_current(lease: Lease) -> bool:
-        return lease.superseded_at is None
-
     @abstractmethod
     def live_keys(self) -> int:
         """How many keys this process holds leases for (for tests, metrics, readiness)."""
