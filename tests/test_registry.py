@@ -54,10 +54,10 @@ def test_claim_supersedes_the_previous_holder_and_runs_its_callbacks_once() -> N
     calls: list[str] = []
     first.on_superseded(lambda: calls.append("one"))
     first.on_superseded(lambda: calls.append("two"))
-    assert not first.superseded and not first.superseded
+    assert not first.superseded
     second = claim(reg, "k")
     assert calls == ["one", "two"]
-    assert first.superseded and first.superseded
+    assert first.superseded
     assert first.newer_attempt == 2 and first.superseded_at is not None
     assert not second.superseded
     third = claim(reg, "k")
