@@ -187,7 +187,7 @@ def start_streamfence(upstream: int, log: Any, name: str = "streamfence") -> Tar
     env = dict(os.environ)
     # streamfence on proxy/transport.py (opt-in for now, see docs/benchmarks.md); sf-httpx
     # the same proxy on httpx's default transport (httpcore + h11).
-    env["STREAMFENCE_HTTP_TRANSPORT"] = "httpx" if name == "sf-httpx" else "fast"
+    env["STREAMFENCE_SERVER_HTTP_TRANSPORT"] = "httpx" if name == "sf-httpx" else "fast"
     own_log = Path(log.name).with_name(f"{name}.log")
     proc = subprocess.Popen(
         [sys.executable, "-m", "proxy", "--upstream", url, "--port", str(port)],

@@ -285,7 +285,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        runtime.client = create_client(transport)
+        runtime.client = create_client(transport, config.server.http_transport)
         logs.redact_client_urls()  # httpx's own request log would show a ?key= credential
         await runtime.registry.start()
         drain = shutdown.Drain(runtime.active, config.server.shutdown_grace)

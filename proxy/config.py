@@ -40,6 +40,9 @@ class ServerConfig:
     write_timeout: float = 60.0
     log_format: str = "json"
     workers: int = 1
+    # The upstream HTTP client's transport: "httpx" (httpcore + h11) or "fast" (opt-in,
+    # proxy/transport.py; see docs/benchmarks.md for why it is not the default yet).
+    http_transport: str = "httpx"
     # All join/replay buffers of the process together (on_retry = join | adaptive).
     join_buffer_total_bytes: int = 256 * 1024 * 1024
 
@@ -86,6 +89,7 @@ class Config:
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "server.log_format": ("json", "text"),
+    "server.http_transport": ("httpx", "fast"),
     "registry.backend": ("memory", "redis"),
     "registry.on_unavailable": ("fail_open", "fail_closed"),
     "upstream.dialect": ("auto", *DIALECTS),

@@ -6,7 +6,6 @@ can swap it; the client itself is created in the app's lifespan, never at import
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -20,12 +19,14 @@ from proxy.transport import Transport
 MAX_IDLE_CONNECTIONS = 64
 
 
-def create_client(transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
-    if transport is None and os.environ.get("STREAMFENCE_HTTP_TRANSPORT") == "fast":
+def create_client(
+    transport: httpx.AsyncBaseTransport | None = None, kind: str = "httpx"
+) -> httpx.AsyncClient:
+    """The shared upstream client; `kind` ([server] http_transport) picks the transport
+    when none is injected."""
+    if transport is None and kind == "fast":
         # Our own HTTP/1.1 transport: httpx's default (httpcore + h11) costs ~110 us of CPU
-        # per relayed event; see proxy/transport.py and docs/benchmarks.md. Opt-in for now:
-        # tests/stress/test_stress.py (1,000 turns, one asyncio loop) does not pass reliably
-        # on it yet (docs/benchmarks.md).
+        # per relayed event; see proxy/transport.py and docs/benchmarks.md.
         transport = Transport(max_idle_per_host=MAX_IDLE_CONNECTIONS)
     if transport is None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)

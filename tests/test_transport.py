@@ -370,3 +370,14 @@ async def test_the_read_timeout_is_per_read_not_for_the_whole_body() -> None:
         timeout = httpx.Timeout(GUARD, read=0.3)  # the whole body takes longer than this
         async with c.stream("GET", server.url, timeout=timeout) as r:
             assert b"".join([chunk async for chunk in r.aiter_raw()]) == b"xxxxx"
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"), [("fast", Transport), ("httpx", httpx.AsyncHTTPTransport)]
+)
+async def test_server_http_transport_picks_the_transport(kind: str, expected: type) -> None:
+    client = create_client(kind=kind)
+    try:
+        assert isinstance(client._transport, expected)
+    finally:
+        await client.aclose()
