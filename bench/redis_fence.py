@@ -38,8 +38,8 @@ import httpx
 import uvicorn
 from redis.asyncio import Redis
 
-from tests.redis_server import free_port, running_redis
-from tests.upstream import ScriptedUpstream
+from tests.redis_server import running_redis
+from tests.upstream import ScriptedUpstream, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/v1/chat/completions"

@@ -10,22 +10,16 @@ from __future__ import annotations
 import asyncio
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from tests.upstream import free_port
+
 REDIS_SERVER = shutil.which("redis-server")
 READY_LINE = "Ready to accept connections"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class RedisServer:

@@ -26,7 +26,7 @@ from proxy.logs import Record
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import Event, chat_body, events
 from tests.stress import harness
-from tests.upstream import Script, ScriptedUpstream, Seen
+from tests.upstream import Script, ScriptedUpstream, Seen, free_port
 
 pytestmark = pytest.mark.anyio
 
@@ -53,14 +53,6 @@ def make_proxy(make_proxy: ProxyFactory) -> ProxyFactory:
 async def settled(proxy: Proxy, requests: int = 1) -> list[Record]:
     """Once `requests` requests have finished: nothing left behind."""
     return await harness.settled(proxy.runtime, requests)
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 @asynccontextmanager

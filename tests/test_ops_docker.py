@@ -18,7 +18,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -28,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.upstream import ScriptedUpstream
+from tests.upstream import ScriptedUpstream, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
@@ -220,12 +219,6 @@ def test_install_steps_make_a_working_command(installed: Path, tmp_path: Path) -
     assert where.stdout.strip().startswith(str(installed)), where.stdout
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _healthcheck(env: dict[str, str]) -> int:
     (health,) = FINAL.all("HEALTHCHECK")
     command = json.loads(health.split(" CMD ", 1)[1])
@@ -238,7 +231,7 @@ async def _healthcheck(env: dict[str, str]) -> int:
 async def test_the_entrypoint_runs_from_image_env_and_passes_its_healthcheck(
     installed: Path, upstream: ScriptedUpstream
 ) -> None:
-    port = _free_port()
+    port = free_port()
     image_env = {k: v.replace("/opt/streamfence", str(installed)) for k, v in FINAL.env().items()}
     env = {
         **os.environ,

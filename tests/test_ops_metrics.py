@@ -5,7 +5,6 @@ no label carries a credential, a turn id or a body."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 
@@ -17,7 +16,7 @@ from proxy.metrics import Metrics
 from proxy.registry import MemoryRegistry
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import chat_body, events
-from tests.upstream import ScriptedUpstream
+from tests.upstream import ScriptedUpstream, free_port
 
 CHAT = "/v1/chat/completions"
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -127,9 +126,7 @@ async def test_each_outcome_is_counted_by_upstream_dialect_and_outcome(
 async def test_connection_failures_count_as_upstream_errors_of_kind_connect(
     make_proxy: ProxyFactory,
 ) -> None:
-    with socket.socket() as s:  # a port with nothing listening
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     async with make_proxy(dead) as proxy, proxy.client() as client:
         response = await client.post(CHAT, json=chat_body("x"))
         assert response.status_code == 502

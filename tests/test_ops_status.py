@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -22,7 +21,7 @@ from sse_starlette.sse import AppStatus
 from proxy import status
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import Event, chat_body, events
-from tests.upstream import ScriptedUpstream
+from tests.upstream import ScriptedUpstream, free_port
 
 CHAT = "/v1/chat/completions"
 TOKEN = "status-token-123"
@@ -173,9 +172,7 @@ async def test_sigterm_ends_open_feeds_so_shutdown_does_not_wait_for_them(
 ) -> None:
     """A browser tab left open on the status page must not hold a shutdown for the whole
     grace period: sse-starlette ends its streams on uvicorn's exit signal."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "proxy", "--upstream", upstream.url, "--port", str(port),
         env={**os.environ, "STREAMFENCE_SERVER_SHUTDOWN_GRACE": "30"},

@@ -25,9 +25,9 @@ from redis.asyncio import Redis
 from proxy.config import ConfigError, RegistryConfig, load
 from proxy.registry.redis import ACK_WAIT, RedisRegistry
 from tests.conftest import Proxy, ProxyFactory
-from tests.redis_server import REDIS_SERVER, RedisServer, free_port, running_redis
+from tests.redis_server import REDIS_SERVER, RedisServer, running_redis
 from tests.sse_client import Event, chat_body, events
-from tests.upstream import ScriptedUpstream, Seen
+from tests.upstream import ScriptedUpstream, Seen, free_port
 
 pytestmark = pytest.mark.skipif(
     REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)"

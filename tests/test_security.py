@@ -23,8 +23,7 @@ from proxy.config import load
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import chat_body, events
 from tests.stress import harness
-from tests.test_faults import free_port
-from tests.upstream import ScriptedUpstream
+from tests.upstream import ScriptedUpstream, free_port
 
 pytestmark = pytest.mark.anyio
 

@@ -346,6 +346,14 @@ def _anthropic_events(tokens: list[str]) -> list[bytes]:
     return out
 
 
+def free_port() -> int:
+    """A loopback port nobody listens on now (bound, then closed): for servers started in
+    another process, and for a "connection refused" upstream."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @asynccontextmanager
 async def serve(app: Any, **config: Any) -> AsyncIterator[tuple[str, uvicorn.Server]]:
     """Run `app` under real uvicorn on 127.0.0.1, port 0, in the current event loop."""
