@@ -27,7 +27,7 @@ from starlette.types import Scope
 from starlette.types import Send as ASGISend
 
 from proxy import dialects, logs, shutdown, status, turns
-from proxy.config import Config, UpstreamConfig
+from proxy.config import Config
 from proxy.errors import BodyTooLarge, NoRoute, StreamfenceError, Unauthorized
 from proxy.join import JoinRelay
 from proxy.logs import Record
@@ -35,7 +35,7 @@ from proxy.metrics import Metrics
 from proxy.registry import MemoryRegistry, Registry
 from proxy.relay import Exchange, Receive, Relay, Send, error_response_parts
 from proxy.routing import RESERVED_PREFIX, Router, request_headers
-from proxy.turnstream import Budget, JoinPolicy, StreamTable
+from proxy.turnstream import Budget, StreamTable
 from proxy.upstream import create_client, timeout_for
 
 ACCESS_TOKEN_HEADER = b"x-streamfence-token"
@@ -68,9 +68,7 @@ class Runtime:
         self._idle.set()
         budget = Budget(config.server.join_buffer_total_bytes)
         self.join_tables = {
-            up.name: StreamTable(_join_policy(up), budget)
-            for up in config.upstream
-            if up.on_retry != "supersede"
+            up.name: StreamTable(up, budget) for up in config.upstream if up.on_retry != "supersede"
         }
         self.status = status.StatusBoard()
 
@@ -235,16 +233,6 @@ class ProxyEndpoint:
         raw = next((v for n, v in headers if n == LAST_EVENT_ID), None)
         last_event_id = int(raw) if raw is not None and raw.strip().isdigit() else None
         return table, body_hash, last_event_id
-
-
-def _join_policy(up: UpstreamConfig) -> JoinPolicy:
-    return JoinPolicy(
-        mode=up.on_retry,
-        healthy_within=up.healthy_within,
-        replay_window=up.replay_window,
-        replay_fingerprints=up.replay_fingerprints,
-        buffer_bytes=up.join_buffer_bytes,
-    )
 
 
 def _request_id(headers: list[tuple[bytes, bytes]]) -> str:

@@ -23,19 +23,11 @@ from dataclasses import dataclass
 import httpx
 
 from proxy import upstream
+from proxy.config import UpstreamConfig
 from proxy.errors import StreamfenceError
 from proxy.sse import SSESplitter
 
 log = logging.getLogger("streamfence")
-
-
-@dataclass(frozen=True, slots=True)
-class JoinPolicy:
-    mode: str  # "join" or "adaptive"
-    healthy_within: float  # adaptive: join only if the stream showed life this recently
-    replay_window: float  # seconds a finished stream stays replayable; 0: not at all
-    replay_fingerprints: bool  # replay also for fingerprint keys, not only explicit ids
-    buffer_bytes: int  # per stream; over it the stream is no longer joinable
 
 
 @dataclass(slots=True)
@@ -122,7 +114,7 @@ class TurnStream:
                 self._append(splitter.feed(chunk))
                 if splitter.error is not None:
                     raise splitter.error
-                while not self.joinable and self.size > self._table.policy.buffer_bytes:
+                while not self.joinable and self.size > self._table.upstream.join_buffer_bytes:
                     # Nobody can join any more: keep only what the owner has yet to write,
                     # and let the owner's pace throttle the upstream (back-pressure).
                     self._room.clear()
@@ -208,8 +200,8 @@ class TurnStream:
 class StreamTable:
     """The streams of one process, by turn key, under a global byte cap."""
 
-    def __init__(self, policy: JoinPolicy, budget: Budget) -> None:
-        self.policy = policy
+    def __init__(self, upstream: UpstreamConfig, budget: Budget) -> None:
+        self.upstream = upstream  # on_retry, healthy_within, replay_*, join_buffer_bytes
         self.budget = budget
         self._streams: dict[str, TurnStream] = {}
 
@@ -226,11 +218,11 @@ class StreamTable:
         if stream.done and not stream.completed:
             return None
         if stream.owner is None:  # over for its client: a replay, inside replay_window only
-            allowed = explicit or resume or self.policy.replay_fingerprints
+            allowed = explicit or resume or self.upstream.replay_fingerprints
             return stream if allowed else None
-        if self.policy.mode == "adaptive" and not stream.done:
+        if self.upstream.on_retry == "adaptive" and not stream.done:
             quiet = time.monotonic() - stream.last_activity
-            return stream if quiet <= self.policy.healthy_within else None
+            return stream if quiet <= self.upstream.healthy_within else None
         return stream
 
     def new(self, stream: TurnStream) -> None:
@@ -244,7 +236,7 @@ class StreamTable:
         if self._streams.get(stream.key) is not stream:
             stream.free()
             return
-        window = self.policy.replay_window
+        window = self.upstream.replay_window
         if stream.completed and stream.joinable and window > 0:
             asyncio.get_running_loop().call_later(window, self._expire, stream)
         else:
@@ -263,7 +255,7 @@ class StreamTable:
         budget = self.budget
         budget.used += added
         if stream.joinable and (
-            stream.size > self.policy.buffer_bytes or budget.used > budget.total
+            stream.size > self.upstream.join_buffer_bytes or budget.used > budget.total
         ):
             budget.overflows += 1
             stream.overflow()
