@@ -240,8 +240,7 @@ class Relay:
 
     def _is_sse(self) -> bool:
         assert self.response is not None
-        ctype: str = self.response.headers.get("content-type", "")
-        return ctype.lower().startswith("text/event-stream")
+        return upstream.is_event_stream(self.response)
 
     async def _start(self, send: Send, *, reframed: bool) -> None:
         assert self.response is not None
@@ -260,11 +259,8 @@ class Relay:
         self.record.streaming = True
         await self._start(send, reframed=True)
         splitter = SSESplitter(self.ex.max_event_bytes)
-        # An encoded SSE body must be decoded to find its events; it goes out plain.
-        decode = "content-encoding" in self.response.headers
-        chunks = self.response.aiter_bytes() if decode else self.response.aiter_raw()
         with upstream.translate_errors(self.ex.upstream_name):
-            async for chunk in chunks:
+            async for chunk in upstream.event_chunks(self.response):
                 events = splitter.feed(chunk)
                 if events and not await self._deliver(send, events):
                     return

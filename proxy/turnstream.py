@@ -93,8 +93,7 @@ class TurnStream:
         try:
             self.response = await upstream.send(self._client, self._request, self._name)
             self.last_activity = time.monotonic()
-            ctype = self.response.headers.get("content-type", "")
-            self.is_sse = ctype.lower().startswith("text/event-stream")
+            self.is_sse = upstream.is_event_stream(self.response)
             self.headers_ready.set()
             if self.is_sse:
                 await self._read_events(self.response)
@@ -107,10 +106,8 @@ class TurnStream:
 
     async def _read_events(self, response: httpx.Response) -> None:
         splitter = SSESplitter(self._max_event_bytes)
-        decode = "content-encoding" in response.headers
-        chunks = response.aiter_bytes() if decode else response.aiter_raw()
         with upstream.translate_errors(self._name):
-            async for chunk in chunks:
+            async for chunk in upstream.event_chunks(response):
                 self._append(splitter.feed(chunk))
                 if splitter.error is not None:
                     raise splitter.error

@@ -6,7 +6,7 @@ can swap it; the client itself is created in the app's lifespan, never at import
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 
 import httpx
@@ -97,3 +97,16 @@ def translate_errors(name: str) -> Iterator[None]:
 async def send(client: httpx.AsyncClient, request: httpx.Request, name: str) -> httpx.Response:
     with translate_errors(name):
         return await client.send(request, stream=True)
+
+
+def is_event_stream(response: httpx.Response) -> bool:
+    ctype: str = response.headers.get("content-type", "")
+    return ctype.lower().startswith("text/event-stream")
+
+
+def event_chunks(response: httpx.Response) -> AsyncIterator[bytes]:
+    """An SSE body as it arrives. An encoded one must be decoded for its events to be
+    found; it then goes out plain."""
+    return (
+        response.aiter_bytes() if "content-encoding" in response.headers else response.aiter_raw()
+    )
