@@ -3,6 +3,7 @@ several upstreams are routed by longest prefix with the prefix stripped."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import AsyncIterator
 
@@ -116,3 +117,18 @@ async def test_longest_prefix_wins_and_is_stripped(
     assert to_b.json()["type"] == "message"  # the anthropic-shaped answer of upstream b
     assert to_a.status_code == to_a2.status_code == 200
     assert json.loads(to_a2.content)["path"] == "/v1/models"
+
+
+async def test_a_compressed_event_stream_is_decoded_and_goes_out_plain(
+    proxy: Proxy, upstream: ScriptedUpstream
+) -> None:
+    """The relay must see events to fence them: a gzip-encoded SSE body is decoded, and the
+    client gets plain events without the upstream's content-encoding."""
+    plain = b'data: {"n": 1}\n\ndata: {"n": 2}\n\ndata: [DONE]\n\n'
+    body = chat_body()  # no script: the upstream's default below answers it
+    upstream.default.raw_bytes = [gzip.compress(plain)]
+    upstream.default.headers = {"Content-Encoding": "gzip"}
+    async with proxy.client() as client, client.stream("POST", CHAT, json=body) as r:
+        raw = b"".join([chunk async for chunk in r.aiter_raw()])
+    assert "content-encoding" not in r.headers
+    assert raw == plain
