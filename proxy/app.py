@@ -310,32 +310,27 @@ def create_app(
         Route("/", status_page),
         Route("/feed", status_feed),
     ]
-    endpoint = ProxyEndpoint(runtime)
     app = _App(
-        routes=[
-            Mount(RESERVED_PREFIX, routes=own_routes),
-            Route("/{path:path}", endpoint),
-        ],
+        ProxyEndpoint(runtime),
+        routes=[Mount(RESERVED_PREFIX, routes=own_routes)],
         lifespan=lifespan,
     )
-    app.proxy = endpoint
     app.state.runtime = runtime
     return app
 
 
 class _App(Starlette):
-    """Starlette, but a forwarded request goes straight to the proxy endpoint: profiled
-    (docs/benchmarks.md), its middleware and routing layers wrapped every relayed write.
-    What they add, error pages and routing, the endpoint does itself."""
+    """Starlette for the proxy's own endpoints (/_streamfence/...); every other request
+    goes straight to the proxy endpoint: profiled (docs/benchmarks.md), Starlette's
+    middleware and routing layers wrapped every relayed write. What they add, error pages
+    and routing, the endpoint does itself (a bare /_streamfence included: 404)."""
 
-    proxy: ProxyEndpoint | None = None
+    def __init__(self, proxy: ProxyEndpoint, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.proxy = proxy
 
     async def __call__(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> None:
-        if (
-            self.proxy is not None
-            and scope["type"] == "http"
-            and not scope["path"].startswith(RESERVED_PREFIX)
-        ):
+        if scope["type"] == "http" and not scope["path"].startswith(RESERVED_PREFIX + "/"):
             await self.proxy(scope, receive, send)  # type: ignore[arg-type]  # dicts at runtime
             return
         await super().__call__(scope, receive, send)

@@ -161,6 +161,8 @@ async def test_status_page_is_not_forwarded_and_plain_metrics_is(
         assert "streamfence status" in (await client.get("/_streamfence/")).text
         missing = await client.get("/_streamfence/nothing-here")
         assert missing.status_code == 404
+        bare = await client.get("/_streamfence")  # the prefix itself is reserved too
+        assert bare.status_code == 404
         forwarded = await client.get("/metrics")
     assert forwarded.status_code == 200
     assert forwarded.json()["path"] == "/metrics"
