@@ -40,9 +40,10 @@ class ServerConfig:
     write_timeout: float = 60.0
     log_format: str = "json"
     workers: int = 1
-    # The upstream HTTP client's transport: "httpx" (httpcore + h11) or "fast" (opt-in,
-    # proxy/transport.py; see docs/benchmarks.md for why it is not the default yet).
-    http_transport: str = "httpx"
+    # The upstream HTTP client's transport: "fast" (proxy/transport.py, HTTP/1.1 on the event
+    # loop with httptools) or "httpx" (httpx's own, httpcore + h11: ~3x the CPU per event,
+    # kept as a fallback; docs/benchmarks.md).
+    http_transport: str = "fast"
     # All join/replay buffers of the process together (on_retry = join | adaptive).
     join_buffer_total_bytes: int = 256 * 1024 * 1024
 

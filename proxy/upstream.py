@@ -20,7 +20,7 @@ MAX_IDLE_CONNECTIONS = 64
 
 
 def create_client(
-    transport: httpx.AsyncBaseTransport | None = None, kind: str = "httpx"
+    transport: httpx.AsyncBaseTransport | None = None, kind: str = "fast"
 ) -> httpx.AsyncClient:
     """The shared upstream client; `kind` ([server] http_transport) picks the transport
     when none is injected."""

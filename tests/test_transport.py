@@ -17,6 +17,7 @@ import httpx
 import pytest
 import trustme
 
+from proxy.config import load
 from proxy.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
 from proxy.transport import Transport
 from proxy.upstream import create_client, translate_errors
@@ -379,5 +380,15 @@ async def test_server_http_transport_picks_the_transport(kind: str, expected: ty
     client = create_client(kind=kind)
     try:
         assert isinstance(client._transport, expected)
+    finally:
+        await client.aclose()
+
+
+async def test_the_default_transport_is_the_fast_one() -> None:
+    config = load(env={}, overrides={"upstream.url": "http://127.0.0.1:9"})
+    assert config.server.http_transport == "fast"
+    client = create_client()
+    try:
+        assert isinstance(client._transport, Transport)
     finally:
         await client.aclose()
