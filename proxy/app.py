@@ -36,7 +36,7 @@ from proxy.registry import MemoryRegistry, Registry
 from proxy.relay import Exchange, Receive, Relay, Send, error_response_parts
 from proxy.routing import RESERVED_PREFIX, Router, request_headers
 from proxy.turnstream import Budget, StreamTable
-from proxy.upstream import create_client, timeout_for
+from proxy.upstream import UpstreamClient, create_client, timeout_for
 
 ACCESS_TOKEN_HEADER = b"x-streamfence-token"
 REQUEST_ID_HEADER = b"x-request-id"
@@ -59,7 +59,7 @@ class Runtime:
         self.router = Router(config.upstream)
         self.metrics = Metrics()
         registry.unavailable_hook = self.metrics.registry_unavailable.inc
-        self.client: httpx.AsyncClient | None = None
+        self.client: UpstreamClient | None = None
         self.turn_header = config.turns.header.lower().encode("latin-1")
         self.drop_headers = {self.turn_header, ACCESS_TOKEN_HEADER}
         self.token = config.server.access_token.encode()
@@ -194,13 +194,7 @@ class ProxyEndpoint:
         out_headers = request_headers(headers, drop)
         if not any(n == REQUEST_ID_HEADER for n, _ in out_headers):
             out_headers.append((REQUEST_ID_HEADER, record.request_id.encode()))
-        request = rt.client.build_request(
-            record.method,
-            route.url,
-            headers=out_headers,
-            content=body,
-            timeout=timeout_for(up),
-        )
+        request = rt.client.build(record.method, route.url, out_headers, body, timeout_for(up))
         exchange = Exchange(
             request=request,
             upstream_name=up.name,
@@ -274,7 +268,6 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         runtime.client = create_client(transport, config.server.http_transport)
-        logs.redact_client_urls()  # httpx's own request log would show a ?key= credential
         await runtime.registry.start()
         drain = shutdown.Drain(runtime.active, config.server.shutdown_grace)
         drain.install()  # on SIGTERM: streams still running after the grace get an error event

@@ -64,6 +64,12 @@ def setup_logging(level: str) -> None:
     logger.handlers[:] = [handler]
     logger.setLevel(level.upper())
     logger.propagate = False
+    # One log line per request is on the hot path: skip what "%(message)s" never shows, the
+    # caller's frame, thread and process (the logging HOWTO's "Optimization" section).
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
 
 
 def _is_loopback(host: str) -> bool:

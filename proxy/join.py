@@ -13,20 +13,20 @@ import time
 from collections.abc import Callable
 
 import anyio
-import httpx
 
 from proxy.errors import StreamfenceError, UpstreamError
 from proxy.logs import Record
 from proxy.registry import Registry
 from proxy.relay import Exchange, Relay, Send
 from proxy.turnstream import StreamTable, TurnStream
+from proxy.upstream import UpstreamClient
 
 
 class JoinRelay(Relay):
     def __init__(
         self,
         exchange: Exchange,
-        client: httpx.AsyncClient,
+        client: UpstreamClient,
         registry: Registry | None,
         record: Record,
         on_finish: Callable[[Record, StreamfenceError | None], None],

@@ -119,32 +119,3 @@ def supersede_line(record: Record, fmt: str = "json") -> str:
 def log_supersede(record: Record, fmt: str = "json") -> None:
     if logger.isEnabledFor(logging.INFO):
         logger.info(supersede_line(record, fmt))
-
-
-class _RedactQueries(logging.Filter):
-    """httpx logs every request's URL at INFO ("HTTP Request: POST https://...?key=...").
-    A Gemini key can ride in that query string, so where anyone has turned INFO on for the
-    httpx logger (an embedding app, a root basicConfig) the query is replaced."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.args, tuple) and any(_has_query(a) for a in record.args):
-            record.args = tuple(_redacted(a) for a in record.args)
-        return True
-
-
-def _has_query(arg: object) -> bool:
-    return type(arg).__name__ == "URL" and "?" in str(arg)
-
-
-def _redacted(arg: object) -> object:
-    return str(arg).split("?", 1)[0] + "?<redacted>" if _has_query(arg) else arg
-
-
-_REDACT_QUERIES = _RedactQueries()
-
-
-def redact_client_urls() -> None:
-    """Install the filter on the httpx logger (idempotent)."""
-    logger = logging.getLogger("httpx")
-    if _REDACT_QUERIES not in logger.filters:
-        logger.addFilter(_REDACT_QUERIES)

@@ -31,6 +31,7 @@ from proxy.registry import Lease, Registry
 from proxy.routing import response_headers
 from proxy.sse import SSESplitter
 from proxy.turns import TurnKey
+from proxy.upstream import UpstreamClient
 
 Message = dict[str, Any]
 Send = Callable[[Message], Awaitable[None]]
@@ -113,7 +114,7 @@ class Relay:
     def __init__(
         self,
         exchange: Exchange,
-        client: httpx.AsyncClient,
+        client: UpstreamClient,
         registry: Registry | None,
         record: Record,
         on_finish: Callable[[Record, StreamfenceError | None], None],
@@ -234,7 +235,7 @@ class Relay:
 
     async def _open(self) -> None:
         self.record.forwarded_at = time.perf_counter()
-        self.response = await upstream.send(self.client, self.ex.request, self.ex.upstream_name)
+        self.response = await self.client.send(self.ex.request, self.ex.upstream_name)
         self.record.upstream_headers_at = time.perf_counter()
         self.record.status = self.response.status_code
 

@@ -26,6 +26,7 @@ from proxy import upstream
 from proxy.config import UpstreamConfig
 from proxy.errors import StreamfenceError
 from proxy.sse import SSESplitter
+from proxy.upstream import UpstreamClient
 
 log = logging.getLogger("streamfence")
 
@@ -57,7 +58,7 @@ class TurnStream:
         self,
         key: str,
         body_hash: str,
-        client: httpx.AsyncClient,
+        client: UpstreamClient,
         request: httpx.Request,
         upstream_name: str,
         max_event_bytes: int,
@@ -91,7 +92,7 @@ class TurnStream:
 
     async def _read(self) -> None:
         try:
-            self.response = await upstream.send(self._client, self._request, self._name)
+            self.response = await self._client.send(self._request, self._name)
             self.last_activity = time.monotonic()
             self.is_sse = upstream.is_event_stream(self.response)
             self.headers_ready.set()

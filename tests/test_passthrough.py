@@ -3,6 +3,7 @@ several upstreams are routed by longest prefix with the prefix stripped."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 from collections.abc import AsyncIterator
@@ -132,3 +133,26 @@ async def test_a_compressed_event_stream_is_decoded_and_goes_out_plain(
         raw = b"".join([chunk async for chunk in r.aiter_raw()])
     assert "content-encoding" not in r.headers
     assert raw == plain
+
+
+async def test_the_upstream_gets_the_callers_headers_and_no_client_defaults(
+    proxy: Proxy, upstream: ScriptedUpstream
+) -> None:
+    # A raw request: an HTTP client would add its own Accept, Accept-Encoding, User-Agent.
+    # A caller that did not ask for compression must not get a compressed answer.
+    body = json.dumps(chat_body(stream=False)).encode()
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"x-caller-thing: kept\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
+        % (CHAT.encode(), len(body), body)
+    )
+    response = await reader.read()
+    writer.close()
+    assert response.startswith(b"HTTP/1.1 200 ")
+    seen = (await upstream.wait_requests(1))[0].headers
+    assert seen["x-caller-thing"] == "kept"
+    assert seen["content-type"] == "application/json"
+    for added_by_a_client in ("accept", "accept-encoding", "user-agent", "cookie"):
+        assert added_by_a_client not in seen

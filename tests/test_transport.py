@@ -316,17 +316,27 @@ async def test_tls_against_a_self_signed_server(ca: trustme.CA) -> None:
                 await c.post(server.url, content=b"secret")
 
 
-async def test_the_shared_client_keeps_no_cookies_between_callers() -> None:
+async def test_the_shared_client_keeps_no_cookies_and_adds_no_headers() -> None:
     async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         while await server.read_request(r) is not None:
             w.write(content_length_response(b"ok", b"set-cookie: session=caller-a; Path=/\r\n"))
             await w.drain()
 
-    async with serve(handler) as server, create_client() as c:
-        first = await c.send(c.build_request("GET", server.url))
-        assert first.headers["set-cookie"].startswith("session=caller-a")  # passed on
-        await c.send(c.build_request("GET", server.url))
-        assert b"cookie:" not in server.requests[1].lower()
+    async with serve(handler) as server:
+        c = create_client()
+        try:
+            for _ in range(2):
+                request = c.build("POST", server.url, [(b"x-caller", b"a")], b"{}", {})
+                response = await c.send(request, "up")
+                assert response.headers["set-cookie"].startswith("session=caller-a")  # passed on
+                await response.aclose()
+        finally:
+            await c.aclose()
+    # Not the second caller's cookie, and none of httpx's client defaults: the upstream sees
+    # what the caller sent, plus the Host and Content-Length every request needs.
+    head = server.requests[1].split(b"\r\n\r\n")[0]
+    names = [line.split(b":")[0].lower() for line in head.split(b"\r\n")[1:]]
+    assert sorted(n for n in names if n) == [b"content-length", b"host", b"x-caller"]
 
 
 async def test_an_idle_connection_past_its_expiry_is_not_reused() -> None:
@@ -379,7 +389,7 @@ async def test_the_read_timeout_is_per_read_not_for_the_whole_body() -> None:
 async def test_server_http_transport_picks_the_transport(kind: str, expected: type) -> None:
     client = create_client(kind=kind)
     try:
-        assert isinstance(client._transport, expected)
+        assert isinstance(client.transport, expected)
     finally:
         await client.aclose()
 
@@ -389,6 +399,6 @@ async def test_the_default_transport_is_the_fast_one() -> None:
     assert config.server.http_transport == "fast"
     client = create_client()
     try:
-        assert isinstance(client._transport, Transport)
+        assert isinstance(client.transport, Transport)
     finally:
         await client.aclose()

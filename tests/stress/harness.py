@@ -19,7 +19,7 @@ WAIT_LIMIT = 60.0  # seconds: a hang fails the test instead of the whole run
 def busy_upstream_connections(runtime: Runtime) -> int:
     """Upstream connections the proxy's pool still has in use (not idle, not closed)."""
     assert runtime.client is not None
-    transport = runtime.client._transport
+    transport = runtime.client.transport
     if hasattr(transport, "in_use"):  # proxy.transport.Transport, the default
         return int(transport.in_use())
     pool = transport._pool  # type: ignore[attr-defined]

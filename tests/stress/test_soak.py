@@ -46,7 +46,7 @@ def attempt(rng: random.Random) -> Attempt:
 
 
 def idle_upstream_connections(p_runtime: Any) -> int:
-    transport = p_runtime.client._transport
+    transport = p_runtime.client.transport
     if hasattr(transport, "idle"):
         return int(transport.idle())
     return sum(1 for c in transport._pool.connections if c.is_idle())
