@@ -17,6 +17,7 @@ import json
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -148,15 +149,19 @@ async def one_stream(
     delay_ms: int,
     rid: str,
     slots: asyncio.Semaphore,
-    turn: str | None = None,
     gaps: bool = False,
+    on_first: Callable[[], None] | None = None,
 ) -> Result:
     try:
         conn = await connect(port, slots)
     except OSError as exc:
         return Result(error=f"connect: {exc}")
     try:
-        return await conn.request(tokens, delay_ms, rid, turn, gaps)
+        done = conn.request(tokens, delay_ms, rid, gaps=gaps)
+        if on_first is not None:
+            assert conn.first is not None
+            conn.first.add_done_callback(lambda _: on_first())
+        return await done
     finally:
         conn.close()
 
@@ -195,10 +200,18 @@ async def throughput(spec: dict[str, Any]) -> dict[str, Any]:
     return {**_summary([r], spec["tokens"] + 2), "events": r.events, "seconds": seconds}
 
 
-async def _load(spec: dict[str, Any], slots: asyncio.Semaphore) -> list[Result]:
+async def _load(
+    spec: dict[str, Any], slots: asyncio.Semaphore, on_first: Callable[[], None] | None = None
+) -> list[Result]:
     tasks = [
         one_stream(
-            spec["port"], spec["tokens"], spec["delay_ms"], f"{spec['tag']}-{i}", slots, gaps=True
+            spec["port"],
+            spec["tokens"],
+            spec["delay_ms"],
+            f"{spec['tag']}-{i}",
+            slots,
+            gaps=True,
+            on_first=on_first,
         )
         for i in range(spec["n"])
     ]
@@ -248,30 +261,39 @@ async def _supersede(
 
 
 async def fence(spec: dict[str, Any]) -> dict[str, Any]:
-    """B5: supersedes under the B3 load; latency to the old upstream connection's close."""
-    slots = asyncio.Semaphore(CONNECT_SLOTS)
-    load = asyncio.ensure_future(_load(spec["load"], slots))
-    lanes, per_lane = spec["lanes"], spec["n"] // spec["lanes"]
+    """B5: supersedes under the B3 load; latency to the old upstream connection's close.
 
-    # Paced, not back to back: each lane starts one supersede every interval, the lanes
-    # staggered, so the supersedes are spread over the load instead of saturating the proxy.
-    interval = spec["interval_ms"] / 1000
+    The supersedes start once every load stream has its first event (under the load, not
+    during its ramp-up of 200 connects) and are open-loop: the j-th starts at its own time,
+    `interval_ms / lanes` after the one before, whether or not earlier ones have finished.
+    (Closed-loop lanes that fall behind fire at once and fall into step: ten supersedes
+    arriving together, which measured the bench's own bunching.)"""
+    slots = asyncio.Semaphore(CONNECT_SLOTS)
+    waiting = spec["load"]["n"]
+    established = asyncio.Event()
+
+    def first_event() -> None:
+        nonlocal waiting
+        waiting -= 1
+        if waiting == 0:
+            established.set()
+
+    load = asyncio.ensure_future(_load(spec["load"], slots, first_event))
+    load_ended: list[float] = []
+    load.add_done_callback(lambda _: load_ended.append(time.monotonic()))
+    settled = asyncio.ensure_future(established.wait())
+    await asyncio.wait([settled, load], return_when=asyncio.FIRST_COMPLETED)
+    settled.cancel()
+
+    spacing = spec["interval_ms"] / 1000 / spec["lanes"]
     close_only = bool(spec.get("close_only"))
     start = time.monotonic()
 
-    async def lane(k: int) -> list[tuple[str, float, bool]]:
-        tag, out = f"{spec['tag']}-{k}", []
-        for i in range(per_lane):
-            due = start + (i + k / lanes) * interval
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
-            out.append(await _supersede(spec["port"], f"{tag}-{i}", slots, close_only))
-        return out
+    async def one(j: int) -> tuple[str, float, bool]:
+        await asyncio.sleep(max(0.0, start + j * spacing - time.monotonic()))
+        return await _supersede(spec["port"], f"{spec['tag']}-{j}", slots, close_only)
 
-    pairs = [
-        p
-        for lane_pairs in await asyncio.gather(*(lane(k) for k in range(lanes)))
-        for p in lane_pairs
-    ]
+    pairs = await asyncio.gather(*(one(j) for j in range(spec["n"])))
     load_results = await load
     # The upstream may see a close a moment after the client saw its stream end (the proxy
     # closes the upstream, then writes the frame): ask again until every one is in.
@@ -283,8 +305,10 @@ async def fence(spec: dict[str, Any]) -> dict[str, Any]:
             break
         await asyncio.sleep(0.01)
     latencies = [(closes[old] - sent) * 1000 for old, sent, _ in pairs if old in closes]
+    end = load_ended[0] if load_ended else float("inf")
     return {
         "supersedes": len(pairs),
+        "sent_under_load": sum(sent < end for _, sent, _ in pairs),
         "fenced": sum(ok for _, _, ok in pairs),
         "closed_seen": len(latencies),
         "fence_ms": latencies,

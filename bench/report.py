@@ -54,6 +54,7 @@ def summarize(raw: Raw) -> dict[str, dict[str, dict[str, float]]]:
                 m["proxy fence p50 ms"] = pct(own, 0.5)
                 m["proxy fence p99 ms"] = pct(own, 0.99)
                 m["supersedes"] = sum(r["supersedes"] for r in rounds)
+                m["sent under load"] = sum(r["sent_under_load"] for r in rounds)
                 m["fenced"] = sum(r["fenced"] for r in rounds)
                 m["closes seen"] = sum(r["closed_seen"] for r in rounds)
                 m["load completed"] = min(r["load"]["completed"] for r in rounds)
@@ -104,10 +105,12 @@ ROWS: list[tuple[str, str, str]] = [
     ("B4", "wall vs direct", "{:.3f} x"),
     ("B4", "peak RSS MB", "{:.0f}"),
     ("B4", "cpu proxy s", "{:.2f}"),
+    ("B5", "sent under load", "{:.0f}"),
     ("B5", "fenced", "{:.0f}"),
     ("B5", "closes seen", "{:.0f}"),
     ("B5", "fence p50 ms", "{:.2f}"),
     ("B5", "fence p99 ms", "{:.2f}"),
+    ("B5", "fence max ms", "{:.2f}"),
     ("B5", "proxy fence p50 ms", "{:.2f}"),
     ("B5", "proxy fence p99 ms", "{:.2f}"),
     ("B5", "load completed", "{:.0f}"),

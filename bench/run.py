@@ -43,8 +43,9 @@ FULL: dict[str, dict[str, Any]] = {
         "kind": "fence",
         "n": 500,
         "lanes": 10,
-        "interval_ms": 40,  # 10 lanes x 50 supersedes, 250/s: spread over the 2 s load
-        "load": {"n": 200, "tokens": 100, "delay_ms": 20},
+        "interval_ms": 40,  # one supersede every 4 ms (250/s): 2 s of them
+        # B3's load (200 streams, a token every 20 ms), long enough (3 s) to outlast them
+        "load": {"n": 200, "tokens": 150, "delay_ms": 20},
     },
 }
 SMOKE: dict[str, dict[str, Any]] = {
@@ -57,7 +58,7 @@ SMOKE: dict[str, dict[str, Any]] = {
         "n": 20,
         "lanes": 4,
         "interval_ms": 5,
-        "load": {"n": 20, "tokens": 10, "delay_ms": 5},
+        "load": {"n": 20, "tokens": 40, "delay_ms": 5},
     },
 }
 # B2 is one short stream (tens of ms): more rounds, so its median survives a noisy neighbour.

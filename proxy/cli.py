@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import ipaddress
 import json
 import logging
@@ -130,6 +131,7 @@ def serve(config: Config, log_level: str) -> int:
         app, extra = "proxy.cli:worker_app", {"factory": True, "workers": config.server.workers}
     else:
         app = create_app(config)
+        freeze_startup_objects()
     uvicorn.run(
         app,
         **extra,
@@ -154,7 +156,18 @@ def worker_app() -> Starlette:
 
     raw = json.loads(os.environ[WORKER_ENV])
     setup_logging(raw["log_level"])
-    return create_app(from_dict(raw["config"]))
+    app = create_app(from_dict(raw["config"]))
+    freeze_startup_objects()
+    return app
+
+
+def freeze_startup_objects() -> None:
+    """What the process holds after its imports lives as long as the process: moved out of
+    the cyclic collector's sight, a full collection scans only what requests created. In
+    the benchmark (B5) a full collection otherwise paused the event loop for ~22 ms, and
+    every request arriving meanwhile waited."""
+    gc.collect()
+    gc.freeze()
 
 
 def check_config(argv: Sequence[str]) -> int:

@@ -33,5 +33,6 @@ def test_every_scenario_completes(tmp_path: Path) -> None:
     fence = summary["B5"]["streamfence"]
     assert fence["fenced"] == fence["supersedes"] > 0
     assert fence["closes seen"] == fence["supersedes"]
+    assert fence["sent under load"] == fence["supersedes"]  # the load outlasted them
     assert fence["load completed"] == results["sizes"]["B5"]["load"]["n"]
     assert summary["B3"]["streamfence"]["peak RSS MB"] > 0
