@@ -29,7 +29,6 @@ from proxy.errors import StreamfenceError, Superseded
 from proxy.logs import Record
 from proxy.registry import Lease, Registry
 from proxy.routing import response_headers
-from proxy.sse import SSESplitter
 from proxy.turns import TurnKey
 from proxy.upstream import UpstreamClient
 
@@ -259,20 +258,12 @@ class Relay:
         assert self.response is not None
         self.record.streaming = True
         await self._start(send, reframed=True)
-        splitter = SSESplitter(self.ex.max_event_bytes)
-        with upstream.translate_errors(self.ex.upstream_name):
-            async for chunk in upstream.event_chunks(self.response):
-                events = splitter.feed(chunk)
-                if events and not await self._deliver(send, events):
-                    return
-                if splitter.error is not None:
-                    raise splitter.error
-        tail = splitter.flush()
-        if tail and not await self._deliver(send, tail):
-            return
-        if splitter.error is not None:
-            raise splitter.error
-        self.completed = True
+        self.completed = await upstream.read_events(
+            self.response,
+            self.ex.upstream_name,
+            self.ex.max_event_bytes,
+            lambda events: self._deliver(send, events),
+        )
 
     async def _deliver(self, send: Send, events: list[bytes]) -> bool:
         """The fence check, then the write; False when fenced (the events are dropped).

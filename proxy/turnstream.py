@@ -25,7 +25,6 @@ import httpx
 from proxy import upstream
 from proxy.config import UpstreamConfig
 from proxy.errors import StreamfenceError
-from proxy.sse import SSESplitter
 from proxy.upstream import UpstreamClient
 
 log = logging.getLogger("streamfence")
@@ -97,7 +96,9 @@ class TurnStream:
             self.is_sse = upstream.is_event_stream(self.response)
             self.headers_ready.set()
             if self.is_sse:
-                await self._read_events(self.response)
+                self.completed = await upstream.read_events(
+                    self.response, self._name, self._max_event_bytes, self._take
+                )
         except StreamfenceError as exc:
             self.error = exc
         finally:
@@ -105,26 +106,16 @@ class TurnStream:
             self.headers_ready.set()
             self._changed.set()
 
-    async def _read_events(self, response: httpx.Response) -> None:
-        splitter = SSESplitter(self._max_event_bytes)
-        with upstream.translate_errors(self._name):
-            async for chunk in upstream.event_chunks(response):
-                self._append(splitter.feed(chunk))
-                if splitter.error is not None:
-                    raise splitter.error
-                while not self.joinable and self.size > self._table.upstream.join_buffer_bytes:
-                    # Nobody can join any more: keep only what the owner has yet to write,
-                    # and let the owner's pace throttle the upstream (back-pressure).
-                    self._room.clear()
-                    await self._room.wait()
-            self._append(splitter.flush())
-            if splitter.error is not None:
-                raise splitter.error
-        self.completed = True
+    async def _take(self, events: list[bytes]) -> bool:
+        self._append(events)
+        while not self.joinable and self.size > self._table.upstream.join_buffer_bytes:
+            # Nobody can join any more: keep only what the owner has yet to write, and
+            # let the owner's pace throttle the upstream (back-pressure).
+            self._room.clear()
+            await self._room.wait()
+        return True
 
     def _append(self, events: list[bytes]) -> None:
-        if not events:
-            return
         first = self.base + len(self.events) + 1
         stamped = [with_id(e, first + i) for i, e in enumerate(events)]
         self.events.extend(stamped)

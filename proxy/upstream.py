@@ -6,13 +6,14 @@ can swap it; the client itself is created in the app's lifespan, never at import
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 
 import httpx
 
 from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
+from proxy.sse import SSESplitter
 from proxy.transport import Transport
 
 # Idle keep-alive connections kept per upstream host, for the next attempt.
@@ -114,3 +115,30 @@ def event_chunks(response: httpx.Response) -> AsyncIterator[bytes]:
     return (
         response.aiter_bytes() if "content-encoding" in response.headers else response.aiter_raw()
     )
+
+
+async def read_events(
+    response: httpx.Response,
+    name: str,
+    max_event_bytes: int,
+    deliver: Callable[[list[bytes]], Awaitable[bool]],
+) -> bool:
+    """Hands each read's complete events to `deliver`, an unterminated last one at the end.
+
+    False as soon as `deliver` refuses a batch (the relay, fenced); True at the stream's
+    end. A malformed stream raises MalformedStream once the good events before it are
+    delivered, and a broken exchange raises as ours (translate_errors)."""
+    splitter = SSESplitter(max_event_bytes)
+    with translate_errors(name):
+        async for chunk in event_chunks(response):
+            events = splitter.feed(chunk)
+            if events and not await deliver(events):
+                return False
+            if splitter.error is not None:
+                raise splitter.error
+    tail = splitter.flush()
+    if tail and not await deliver(tail):
+        return False
+    if splitter.error is not None:
+        raise splitter.error
+    return True
