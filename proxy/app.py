@@ -29,7 +29,7 @@ from starlette.types import Send as ASGISend
 from proxy import dialects, logs, shutdown, status, turns
 from proxy.config import Config
 from proxy.errors import BodyTooLarge, NoRoute, StreamfenceError, Unauthorized
-from proxy.join import JoinRelay
+from proxy.join import JoinPlan, JoinRelay
 from proxy.logs import Record
 from proxy.metrics import Metrics
 from proxy.registry import MemoryRegistry, Registry
@@ -41,8 +41,6 @@ from proxy.upstream import UpstreamClient, create_client, timeout_for
 ACCESS_TOKEN_HEADER = b"x-streamfence-token"
 REQUEST_ID_HEADER = b"x-request-id"
 LAST_EVENT_ID = b"last-event-id"
-# join/adaptive upstreams: the stream to take over, the body's hash, where to resume
-JoinPlan = tuple[StreamTable, str, int | None]
 log = logging.getLogger("streamfence")
 
 
@@ -134,21 +132,11 @@ class ProxyEndpoint:
             rt.finished(record, None)
             return
         assert rt.client is not None
-        relay: Relay
-        if plan is None:
-            relay = Relay(exchange, rt.client, rt.registry, record, rt.finished)
-        else:
-            table, body_hash, last_event_id = plan
-            relay = JoinRelay(
-                exchange,
-                rt.client,
-                rt.registry,
-                record,
-                rt.finished,
-                table=table,
-                body_hash=body_hash,
-                last_event_id=last_event_id,
-            )
+        relay = (
+            Relay(exchange, rt.client, rt.registry, record, rt.finished)
+            if plan is None
+            else JoinRelay(exchange, rt.client, rt.registry, record, rt.finished, plan)
+        )
         rt.begin(relay)
         try:
             await relay(scope, receive, send)
@@ -214,8 +202,7 @@ class ProxyEndpoint:
         body: bytes,
         headers: list[tuple[bytes, bytes]],
     ) -> JoinPlan | None:
-        """For join/adaptive upstreams: the table, the body's canonical hash (what "an
-        identical retry" means) and the Last-Event-ID to resume after, if any."""
+        """For join/adaptive upstreams: what the join relay needs (None: supersede)."""
         table = self.rt.join_tables.get(name)
         if table is None or turn is None:
             return None
@@ -226,7 +213,7 @@ class ProxyEndpoint:
             return None
         raw = next((v for n, v in headers if n == LAST_EVENT_ID), None)
         last_event_id = int(raw) if raw is not None and raw.strip().isdigit() else None
-        return table, body_hash, last_event_id
+        return JoinPlan(table, body_hash, last_event_id)
 
 
 def _request_id(headers: list[tuple[bytes, bytes]]) -> str:

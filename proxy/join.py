@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import anyio
 
@@ -22,6 +23,14 @@ from proxy.turnstream import StreamTable, TurnStream
 from proxy.upstream import UpstreamClient
 
 
+class JoinPlan(NamedTuple):
+    """What a request to a join/adaptive upstream brings to its relay."""
+
+    table: StreamTable  # the upstream's streams, by turn
+    body_hash: str  # the body's canonical hash: what "an identical retry" means
+    last_event_id: int | None  # Last-Event-ID: where to resume, if anywhere
+
+
 class JoinRelay(Relay):
     def __init__(
         self,
@@ -30,15 +39,10 @@ class JoinRelay(Relay):
         registry: Registry | None,
         record: Record,
         on_finish: Callable[[Record, StreamfenceError | None], None],
-        *,
-        table: StreamTable,
-        body_hash: str,
-        last_event_id: int | None,
+        plan: JoinPlan,
     ) -> None:
         super().__init__(exchange, client, registry, record, on_finish)
-        self.table = table
-        self.body_hash = body_hash
-        self.last_event_id = last_event_id
+        self.table, self.body_hash, self.last_event_id = plan
         self.stream: TurnStream | None = None
         self.cursor = 0
 
