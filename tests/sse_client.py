@@ -4,7 +4,8 @@ splitter is checked against an independent reading of the stream."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,17 @@ class Event:
             return "".join(c["delta"].get("content") or "" for c in chunk.get("choices", []))
         except (ValueError, KeyError, TypeError, AttributeError):
             return ""
+
+
+async def open_stream(
+    stack: AsyncExitStack,
+    client: httpx.AsyncClient,
+    path: str,
+    body: Any,
+    headers: Mapping[str, str] | None = None,
+) -> httpx.Response:
+    """A streaming POST whose response stays open until `stack` closes."""
+    return await stack.enter_async_context(client.stream("POST", path, json=body, headers=headers))
 
 
 async def events(response: httpx.Response) -> AsyncIterator[Event]:

@@ -9,7 +9,7 @@ from typing import Any
 import openai
 
 from tests.conftest import Proxy, ProxyFactory
-from tests.sse_client import Event, chat_body, events
+from tests.sse_client import Event, chat_body, events, open_stream
 from tests.upstream import ScriptedUpstream
 
 CHAT = "/v1/chat/completions"
@@ -43,17 +43,13 @@ async def test_identical_retry_joins_the_running_stream(
     body = chat_body(gated=True, tokens=6, prefix="T")
     async with make_proxy(upstream.url, **{"upstream.on_retry": "join"}) as proxy:
         async with proxy.client() as client, AsyncExitStack() as stack:
-            a = await stack.enter_async_context(
-                client.stream("POST", CHAT, json=body, headers=TURN)
-            )
+            a = await open_stream(stack, client, CHAT, body, TURN)
             a_events = events(a)
             assert (await anext(a_events)).text == "T0 "
             seen = upstream.seen[0]
             seen.release(1)
             assert (await anext(a_events)).text == "T1 "
-            b = await stack.enter_async_context(
-                client.stream("POST", CHAT, json=body, headers=TURN)
-            )
+            b = await open_stream(stack, client, CHAT, body, TURN)
             assert b.headers["x-streamfence-attempt"] == "2"
             rest_a = [e async for e in a_events]
             seen.release(10)

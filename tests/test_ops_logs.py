@@ -17,7 +17,7 @@ import pytest
 from proxy import cli, logs
 from proxy.config import load
 from tests.conftest import ProxyFactory
-from tests.sse_client import chat_body, events
+from tests.sse_client import chat_body, events, open_stream
 from tests.upstream import ScriptedUpstream
 
 CHAT = "/v1/chat/completions"
@@ -56,13 +56,8 @@ async def _supersede_once(proxy_url: str, upstream: ScriptedUpstream) -> None:
         httpx.AsyncClient(base_url=proxy_url, timeout=10) as client,
         AsyncExitStack() as stack,
     ):
-        a = await stack.enter_async_context(
-            client.stream(
-                "POST",
-                CHAT,
-                json=chat_body(BODY, gated=True),
-                headers={**headers, "x-request-id": "req-a"},
-            )
+        a = await open_stream(
+            stack, client, CHAT, chat_body(BODY, gated=True), {**headers, "x-request-id": "req-a"}
         )
         a_events = events(a)
         await anext(a_events)

@@ -15,7 +15,7 @@ from proxy.logs import Record
 from proxy.metrics import Metrics
 from proxy.registry import MemoryRegistry
 from tests.conftest import Proxy, ProxyFactory
-from tests.sse_client import chat_body, events
+from tests.sse_client import chat_body, events, open_stream
 from tests.upstream import ScriptedUpstream, free_port
 
 CHAT = "/v1/chat/completions"
@@ -79,9 +79,7 @@ async def test_each_outcome_is_counted_by_upstream_dialect_and_outcome(
         broken = await client.post(CHAT, json=chat_body("b", fail_after=1))
         assert "error" in broken.text
         # superseded + completed: a retry of a gated turn
-        a = await stack.enter_async_context(
-            client.stream("POST", CHAT, json=chat_body("c", gated=True), headers={"X-Turn-Id": "k"})
-        )
+        a = await open_stream(stack, client, CHAT, chat_body("c", gated=True), {"X-Turn-Id": "k"})
         a_events = events(a)
         await anext(a_events)
         during = await scrape(client)
@@ -91,9 +89,7 @@ async def test_each_outcome_is_counted_by_upstream_dialect_and_outcome(
         assert [e async for e in a_events][-1].json["error"]["code"] == "stream_superseded"
         await finished(5)
         # client_gone: the caller leaves a gated stream
-        gone = await stack.enter_async_context(
-            client.stream("POST", CHAT, json=chat_body("d", gated=True))
-        )
+        gone = await open_stream(stack, client, CHAT, chat_body("d", gated=True))
         gone_events = events(gone)
         await anext(gone_events)
         await gone.aclose()

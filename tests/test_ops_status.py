@@ -20,7 +20,7 @@ from sse_starlette.sse import AppStatus
 
 from proxy import status
 from tests.conftest import Proxy, ProxyFactory
-from tests.sse_client import Event, chat_body, events
+from tests.sse_client import Event, chat_body, events, open_stream
 from tests.upstream import ScriptedUpstream, free_port
 
 CHAT = "/v1/chat/completions"
@@ -100,9 +100,7 @@ async def test_feed_shows_turn_in_flight_then_its_supersede(
         assert first["in_flight"] == [] and first["recent"] == []
 
         headers = {"X-Turn-Id": "t-secret-turn", "Authorization": f"Bearer {secret}"}
-        a = await stack.enter_async_context(
-            client.stream("POST", CHAT, json=chat_body("q", gated=True), headers=headers)
-        )
+        a = await open_stream(stack, client, CHAT, chat_body("q", gated=True), headers)
         a_events = events(a)
         await anext(a_events)
         turn = a.headers["x-streamfence-turn"]
@@ -115,9 +113,7 @@ async def test_feed_shows_turn_in_flight_then_its_supersede(
         assert flight["dialect"] == "openai-chat"
         assert flight["attempt"] == 1 and flight["age_s"] >= 0
 
-        b = await stack.enter_async_context(
-            client.stream("POST", CHAT, json=chat_body("q", tokens=2), headers=headers)
-        )
+        b = await open_stream(stack, client, CHAT, chat_body("q", tokens=2), headers)
         b_events: list[Event] = [e async for e in events(b)]
         assert b_events[-1].data == "[DONE]"
         rest: list[Event] = [e async for e in a_events]

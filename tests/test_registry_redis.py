@@ -26,7 +26,7 @@ from proxy.config import ConfigError, RegistryConfig, load
 from proxy.registry.redis import ACK_WAIT, RedisRegistry
 from tests.conftest import Proxy, ProxyFactory
 from tests.redis_server import REDIS_SERVER, RedisServer, running_redis
-from tests.sse_client import Event, chat_body, events
+from tests.sse_client import Event, chat_body, events, open_stream
 from tests.upstream import ScriptedUpstream, Seen, free_port
 
 pytestmark = pytest.mark.skipif(
@@ -169,13 +169,8 @@ async def _open_gated(
     stack: AsyncExitStack, client: httpx.AsyncClient, turn: str, prefix: str
 ) -> tuple[httpx.Response, AsyncIterator[Event]]:
     """A streaming attempt that has delivered its first event and waits upstream."""
-    response = await stack.enter_async_context(
-        client.stream(
-            "POST",
-            CHAT,
-            json=chat_body(gated=True, tokens=5, prefix=prefix),
-            headers={"X-Turn-Id": turn},
-        )
+    response = await open_stream(
+        stack, client, CHAT, chat_body(gated=True, tokens=5, prefix=prefix), {"X-Turn-Id": turn}
     )
     assert response.status_code == 200
     stream = events(response)

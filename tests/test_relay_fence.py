@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import Proxy
-from tests.sse_client import Event, chat_body, events
+from tests.sse_client import Event, chat_body, events, open_stream
 from tests.upstream import ScriptedUpstream
 
 CHAT = "/v1/chat/completions"
@@ -36,23 +36,16 @@ async def test_superseded_writer_gets_nothing_after_the_newer_attempt(
 ) -> None:
     """Seed: test_superseded_writer_deltas_are_dropped."""
     async with proxy.client() as client, AsyncExitStack() as stack:
-        a = await stack.enter_async_context(
-            client.stream(
-                "POST",
-                CHAT,
-                json=chat_body(gated=True, prefix="A"),
-                headers={"X-Turn-Id": "turn-1"},
-            )
+        a = await open_stream(
+            stack, client, CHAT, chat_body(gated=True, prefix="A"), {"X-Turn-Id": "turn-1"}
         )
         a_events = events(a)
         first = await anext(a_events)
         assert first.text == "A0 "
         seen_a = (await upstream.wait_requests(1))[0]
 
-        b = await stack.enter_async_context(
-            client.stream(
-                "POST", CHAT, json=chat_body(prefix="B", tokens=3), headers={"X-Turn-Id": "turn-1"}
-            )
+        b = await open_stream(
+            stack, client, CHAT, chat_body(prefix="B", tokens=3), {"X-Turn-Id": "turn-1"}
         )
         assert b.headers["x-streamfence-attempt"] == "2"
         # B's headers mean B was accepted: from here on A may receive nothing but the frame.
@@ -73,13 +66,8 @@ async def test_consume_loop_stops_the_moment_it_is_superseded(
 ) -> None:
     """Seed: test_consume_loop_stops_when_superseded_mid_stream, plus: nothing is drained."""
     async with proxy.client() as client, AsyncExitStack() as stack:
-        a = await stack.enter_async_context(
-            client.stream(
-                "POST",
-                CHAT,
-                json=chat_body(gated=True, tokens=50, prefix="A"),
-                headers={"X-Turn-Id": "t"},
-            )
+        a = await open_stream(
+            stack, client, CHAT, chat_body(gated=True, tokens=50, prefix="A"), {"X-Turn-Id": "t"}
         )
         a_events = events(a)
         assert (await anext(a_events)).text == "A0 "
@@ -116,21 +104,14 @@ async def test_requests_without_a_key_never_fence_or_get_fenced(
     """Seed: test_non_claiming_thread_is_not_a_writer."""
     async with proxy.client() as client, AsyncExitStack() as stack:
         # A keyed turn in flight, then two keyless requests: opted out, and not JSON.
-        keyed = await stack.enter_async_context(
-            client.stream(
-                "POST", CHAT, json=chat_body(gated=True, prefix="K"), headers={"X-Turn-Id": "same"}
-            )
+        keyed = await open_stream(
+            stack, client, CHAT, chat_body(gated=True, prefix="K"), {"X-Turn-Id": "same"}
         )
         keyed_events = events(keyed)
         await anext(keyed_events)
         opted_out = [
-            await stack.enter_async_context(
-                client.stream(
-                    "POST",
-                    CHAT,
-                    json=chat_body(gated=True, prefix="A"),
-                    headers={"X-Turn-Id": "none"},
-                )
+            await open_stream(
+                stack, client, CHAT, chat_body(gated=True, prefix="A"), {"X-Turn-Id": "none"}
             )
             for _ in range(2)
         ]
@@ -153,11 +134,11 @@ async def test_identical_retry_without_header_fences_by_fingerprint(
 ) -> None:
     body = chat_body(gated=True, tokens=5)
     async with proxy.client() as client, AsyncExitStack() as stack:
-        a = await stack.enter_async_context(client.stream("POST", CHAT, json=body))
+        a = await open_stream(stack, client, CHAT, body)
         a_events = events(a)
         await anext(a_events)
         retry = {**body, "stream_options": {"include_usage": True}}  # volatile: ignored
-        b = await stack.enter_async_context(client.stream("POST", CHAT, json=retry))
+        b = await open_stream(stack, client, CHAT, retry)
         assert b.headers["x-streamfence-attempt"] == "2"
         rest = [e async for e in a_events]
         upstream.seen[1].release(10)
@@ -171,13 +152,12 @@ async def test_next_turn_and_other_credentials_do_not_fence(
     proxy: Proxy, upstream: ScriptedUpstream
 ) -> None:
     async with proxy.client() as client, AsyncExitStack() as stack:
-        a = await stack.enter_async_context(
-            client.stream(
-                "POST",
-                CHAT,
-                json=chat_body(gated=True, prefix="A"),
-                headers={"X-Turn-Id": "shared", "Authorization": "Bearer key-one"},
-            )
+        a = await open_stream(
+            stack,
+            client,
+            CHAT,
+            chat_body(gated=True, prefix="A"),
+            {"X-Turn-Id": "shared", "Authorization": "Bearer key-one"},
         )
         a_events = events(a)
         await anext(a_events)
@@ -283,10 +263,8 @@ async def test_each_dialect_ends_a_fenced_stream_with_its_own_frame(
     proxy: Proxy, upstream: ScriptedUpstream, path: str, check: Any
 ) -> None:
     async with proxy.client() as client, AsyncExitStack() as stack:
-        a = await stack.enter_async_context(
-            client.stream(
-                "POST", path + "?alt=sse", json=chat_body(gated=True), headers={"X-Turn-Id": "d"}
-            )
+        a = await open_stream(
+            stack, client, path + "?alt=sse", chat_body(gated=True), {"X-Turn-Id": "d"}
         )
         a_events = events(a)
         await anext(a_events)

@@ -21,7 +21,7 @@ import pytest
 from proxy import cli
 from proxy.config import load
 from tests.conftest import Proxy, ProxyFactory
-from tests.sse_client import chat_body, events
+from tests.sse_client import chat_body, events, open_stream
 from tests.stress import harness
 from tests.upstream import ScriptedUpstream, free_port
 
@@ -195,13 +195,12 @@ async def test_another_credential_can_never_fence_a_turn(
     proxy: Proxy, upstream: ScriptedUpstream
 ) -> None:
     async with proxy.client() as client, AsyncExitStack() as stack:
-        a = await stack.enter_async_context(
-            client.stream(
-                "POST",
-                "/v1/chat/completions",
-                json=chat_body(gated=True, prefix="A"),
-                headers={"X-Turn-Id": "shared", "Authorization": "Bearer key-A"},
-            )
+        a = await open_stream(
+            stack,
+            client,
+            "/v1/chat/completions",
+            chat_body(gated=True, prefix="A"),
+            {"X-Turn-Id": "shared", "Authorization": "Bearer key-A"},
         )
         a_events = events(a)
         await anext(a_events)
@@ -235,23 +234,21 @@ async def test_another_credential_never_joins_or_replays_a_running_stream(
     body = chat_body(gated=True, tokens=4, prefix="A")
     async with make_proxy(upstream.url, **{"upstream.on_retry": mode}) as p:
         async with p.client() as client, AsyncExitStack() as stack:
-            a = await stack.enter_async_context(
-                client.stream(
-                    "POST",
-                    "/v1/chat/completions",
-                    json=body,
-                    headers={"X-Turn-Id": "t", "Authorization": "Bearer key-A"},
-                )
+            a = await open_stream(
+                stack,
+                client,
+                "/v1/chat/completions",
+                body,
+                {"X-Turn-Id": "t", "Authorization": "Bearer key-A"},
             )
             a_events = events(a)
             first = await anext(a_events)
-            b = await stack.enter_async_context(
-                client.stream(
-                    "POST",
-                    "/v1/chat/completions",
-                    json=body,
-                    headers={"X-Turn-Id": "t", "Authorization": "Bearer key-B"},
-                )
+            b = await open_stream(
+                stack,
+                client,
+                "/v1/chat/completions",
+                body,
+                {"X-Turn-Id": "t", "Authorization": "Bearer key-B"},
             )
             # B got an upstream request of its own, with its own credential.
             seen = await upstream.wait_requests(2)

@@ -24,7 +24,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
 from tests.conftest import ProxyFactory
-from tests.sse_client import chat_body, events
+from tests.sse_client import chat_body, events, open_stream
 from tests.test_ops_status import reset_sse_starlette  # noqa: F401 - autouse fixture
 from tests.upstream import ScriptedUpstream
 
@@ -175,10 +175,8 @@ async def test_status_page_shows_a_turn_in_flight_then_its_supersede(
         assert await page.text("document.title") == "streamfence status"
 
         # Attempt 1 of a turn, held open by the upstream's gate.
-        first = await streams.enter_async_context(
-            client.stream(
-                "POST", CHAT, json=chat_body("plan", gated=True), headers={"X-Turn-Id": "t-1"}
-            )
+        first = await open_stream(
+            streams, client, CHAT, chat_body("plan", gated=True), {"X-Turn-Id": "t-1"}
         )
         first_events = events(first)
         await anext(first_events)
@@ -186,19 +184,15 @@ async def test_status_page_shows_a_turn_in_flight_then_its_supersede(
         await page.wait_for(_row("inflight", turn, "#1"))
 
         # Another turn in flight, so the page has more than one row to show.
-        other = await streams.enter_async_context(
-            client.stream(
-                "POST", CHAT, json=chat_body("other", gated=True), headers={"X-Turn-Id": "t-2"}
-            )
+        other = await open_stream(
+            streams, client, CHAT, chat_body("other", gated=True), {"X-Turn-Id": "t-2"}
         )
         other_events = events(other)  # held: an abandoned reader would close its stream
         await anext(other_events)
 
         # The retry supersedes attempt 1 and is itself held in flight.
-        retry = await streams.enter_async_context(
-            client.stream(
-                "POST", CHAT, json=chat_body("plan", gated=True), headers={"X-Turn-Id": "t-1"}
-            )
+        retry = await open_stream(
+            streams, client, CHAT, chat_body("plan", gated=True), {"X-Turn-Id": "t-1"}
         )
         retry_events = events(retry)
         await anext(retry_events)
