@@ -36,7 +36,7 @@ from proxy.registry import MemoryRegistry, Registry
 from proxy.relay import Exchange, Receive, Relay, Send, error_response_parts
 from proxy.routing import RESERVED_PREFIX, Router, request_headers
 from proxy.turnstream import Budget, StreamTable
-from proxy.upstream import UpstreamClient, create_client, timeout_for
+from proxy.upstream import UpstreamClient, build_request, create_client
 
 ACCESS_TOKEN_HEADER = b"x-streamfence-token"
 REQUEST_ID_HEADER = b"x-request-id"
@@ -182,7 +182,7 @@ class ProxyEndpoint:
         out_headers = request_headers(headers, drop)
         if not any(n == REQUEST_ID_HEADER for n, _ in out_headers):
             out_headers.append((REQUEST_ID_HEADER, record.request_id.encode()))
-        request = rt.client.build(record.method, route.url, out_headers, body, timeout_for(up))
+        request = build_request(record.method, route.url, out_headers, body, up)
         exchange = Exchange(
             request=request,
             upstream_name=up.name,

@@ -34,19 +34,6 @@ class UpstreamClient:
     def __init__(self, transport: httpx.AsyncBaseTransport) -> None:
         self.transport = transport
 
-    def build(
-        self,
-        method: str,
-        url: str,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-        timeout: dict[str, float | None],
-    ) -> httpx.Request:
-        """The request as the caller sent it (httpx adds only Host and Content-Length)."""
-        return httpx.Request(
-            method, url, headers=headers, content=body, extensions={"timeout": timeout}
-        )
-
     async def send(self, request: httpx.Request, name: str) -> httpx.Response:
         """The response, streaming: its body is read by the caller, who must close it."""
         with translate_errors(name):
@@ -73,15 +60,25 @@ def create_client(
     return UpstreamClient(transport)
 
 
-def timeout_for(upstream: UpstreamConfig) -> dict[str, float | None]:
-    """The request's timeout extension, in httpx's transport terms. `read` is the idle
-    timeout: the longest silence allowed between two reads."""
-    return {
+def build_request(
+    method: str,
+    url: str,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
+    upstream: UpstreamConfig,
+) -> httpx.Request:
+    """The request as the caller sent it (httpx adds only Host and Content-Length), with
+    the upstream's timeouts in httpx's transport terms: `read` is the idle timeout, the
+    longest silence allowed between two reads."""
+    timeout = {
         "connect": upstream.connect_timeout,
         "read": upstream.idle_timeout,
         "write": upstream.idle_timeout,
         "pool": upstream.connect_timeout,
     }
+    return httpx.Request(
+        method, url, headers=headers, content=body, extensions={"timeout": timeout}
+    )
 
 
 @contextmanager

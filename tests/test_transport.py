@@ -326,7 +326,9 @@ async def test_the_shared_client_keeps_no_cookies_and_adds_no_headers() -> None:
         c = create_client()
         try:
             for _ in range(2):
-                request = c.build("POST", server.url, [(b"x-caller", b"a")], b"{}", {})
+                request = httpx.Request(
+                    "POST", server.url, headers={"x-caller": "a"}, content=b"{}"
+                )
                 response = await c.send(request, "up")
                 assert response.headers["set-cookie"].startswith("session=caller-a")  # passed on
                 await response.aclose()
