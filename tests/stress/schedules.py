@@ -135,6 +135,18 @@ class Totals:
     violations: list[str] = field(default_factory=list)
 
 
+def driver_client(base_url: str, timeout: float) -> httpx.AsyncClient:
+    """The drivers' HTTP client: a connection per request, and so no client-side pool.
+
+    httpcore's pool can hand one idle connection to several queued requests, which then
+    queue on that connection's locks behind one another; at 1,000 turns such a chain held
+    requests in the *client* for up to its 60 s timeout (found with task dumps: the proxy
+    had never received their bytes). The soak test also counts descriptors: none are idle
+    on the client's side."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    return httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits)
+
+
 class Driver:
     def __init__(self, client: httpx.AsyncClient, upstream: ScriptedUpstream, runtime: Runtime):
         self.client = client

@@ -16,14 +16,13 @@ from collections.abc import Coroutine, Iterator
 from contextlib import AsyncExitStack
 from typing import Any, TypeVar
 
-import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.app import create_app
 from proxy.config import load
-from tests.stress.schedules import Attempt, Driver, Schedule
+from tests.stress.schedules import Attempt, Driver, Schedule, driver_client
 from tests.upstream import ScriptedUpstream, serve
 
 pytestmark = pytest.mark.stress
@@ -49,11 +48,7 @@ class Live:
         upstream.url, _ = await self.stack.enter_async_context(serve(upstream))
         app = create_app(load(env={}, overrides={"upstream.url": upstream.url}))
         proxy_url, _ = await self.stack.enter_async_context(serve(app))
-        client = await self.stack.enter_async_context(
-            httpx.AsyncClient(
-                base_url=proxy_url, timeout=30, limits=httpx.Limits(max_connections=None)
-            )
-        )
+        client = await self.stack.enter_async_context(driver_client(proxy_url, timeout=30))
         self.driver = Driver(client, upstream, app.state.runtime)
 
     def __enter__(self) -> Live:

@@ -17,13 +17,12 @@ import time
 from contextlib import AsyncExitStack
 from typing import Any
 
-import httpx
 import pytest
 
 from proxy.relay import Relay
 from tests.conftest import ProxyFactory
 from tests.stress import harness
-from tests.stress.schedules import Attempt, Driver
+from tests.stress.schedules import Attempt, Driver, driver_client
 from tests.upstream import ScriptedUpstream
 
 pytestmark = pytest.mark.soak
@@ -76,12 +75,7 @@ async def test_steady_mix_leaves_memory_and_descriptors_where_they_started(
             now["fds_without_idle"] = now["fds"] - 2 * now["idle_upstream"]
             return now
 
-        # One client for the whole soak, without keep-alive: no client-side pool to count.
-        client = await stack.enter_async_context(
-            httpx.AsyncClient(
-                base_url=p.url, timeout=60, limits=httpx.Limits(max_keepalive_connections=0)
-            )
-        )
+        client = await stack.enter_async_context(driver_client(p.url, timeout=60))
 
         async def one_client_round() -> Driver:
             driver = Driver(client, upstream, p.runtime)

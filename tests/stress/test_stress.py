@@ -13,11 +13,10 @@ import os
 import random
 import time
 
-import httpx
 import pytest
 
 from tests.conftest import ProxyFactory
-from tests.stress.schedules import Attempt, Driver
+from tests.stress.schedules import Attempt, Driver, driver_client
 from tests.upstream import ScriptedUpstream
 
 pytestmark = pytest.mark.stress
@@ -40,14 +39,9 @@ async def test_concurrent_turns_superseded_mid_stream_keep_the_invariant(
 ) -> None:
     rng = random.Random(SEED)
     schedule = [turn(rng) for _ in range(TURNS)]
-    # A connection per request on the test's side: httpcore's pool can hand one idle
-    # connection to several queued requests, which then queue on that connection's locks
-    # behind one another; at 1,000 turns such a chain held requests in the *client* for up
-    # to its 60 s timeout (found with task dumps: the proxy had never received their bytes).
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     async with (
         make_proxy(upstream.url) as p,
-        httpx.AsyncClient(base_url=p.url, timeout=60, limits=limits) as client,
+        driver_client(p.url, timeout=60) as client,
     ):
         driver = Driver(client, upstream, p.runtime)
         started = time.perf_counter()
