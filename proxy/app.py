@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,7 +27,7 @@ from starlette.types import Receive as ASGIReceive
 from starlette.types import Scope
 from starlette.types import Send as ASGISend
 
-from proxy import dialects, logs, shutdown, status, turns
+from proxy import dialects, egress, logs, shutdown, status, turns
 from proxy.config import Config
 from proxy.errors import BodyTooLarge, NoRoute, StreamfenceError, Unauthorized
 from proxy.join import JoinPlan, JoinRelay
@@ -36,7 +37,7 @@ from proxy.registry import MemoryRegistry, Registry
 from proxy.relay import Exchange, Receive, Relay, Send, error_response_parts
 from proxy.routing import RESERVED_PREFIX, Router, request_headers
 from proxy.turnstream import Budget, StreamTable
-from proxy.upstream import UpstreamClient, build_request, create_client
+from proxy.upstream import UpstreamClient, build_request, create_client, ssl_context_for
 
 ACCESS_TOKEN_HEADER = b"x-streamfence-token"
 REQUEST_ID_HEADER = b"x-request-id"
@@ -93,6 +94,7 @@ class Runtime:
 
     def finished(self, record: Record, error: StreamfenceError | None) -> None:
         kind = getattr(error, "kind", None)
+        record.cause = getattr(error, "cause", "")
         self.metrics.observe(record, kind)
         self.metrics.in_flight.dec()
         if record.outcome == "superseded":
@@ -254,7 +256,12 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        runtime.client = create_client(transport, config.server.http_transport)
+        runtime.client = create_client(
+            transport,
+            config.server.http_transport,
+            egress.plan(config, os.environ),
+            ssl_context_for(config.server.ca_bundle, os.environ),
+        )
         await runtime.registry.start()
         drain = shutdown.Drain(runtime.active, config.server.shutdown_grace)
         drain.install()  # on SIGTERM: streams still running after the grace get an error event

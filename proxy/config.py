@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 from urllib.parse import urlsplit
 
+from proxy import egress
 from proxy.dialects import DIALECTS
 
 ENV_PREFIX = "STREAMFENCE_"
@@ -46,6 +47,12 @@ class ServerConfig:
     http_transport: str = "fast"
     # All join/replay buffers of the process together (on_retry = join | adaptive).
     join_buffer_total_bytes: int = 256 * 1024 * 1024
+    # The forward proxy to the upstreams: "" from HTTPS_PROXY/HTTP_PROXY/ALL_PROXY/NO_PROXY,
+    # "none" for direct connections, or an http:// URL (proxy/egress.py).
+    egress_proxy: str = ""
+    # CA certificates to verify upstreams with (a PEM file or a c_rehash'd directory); ""
+    # for SSL_CERT_FILE / SSL_CERT_DIR, else the system's.
+    ca_bundle: str = ""
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,7 @@ class UpstreamConfig:
     replay_window: float = 0.0  # seconds a finished stream stays replayable; 0: never
     replay_fingerprints: bool = False  # replay for fingerprint keys too, not only X-Turn-Id
     join_buffer_bytes: int = 8 * 1024 * 1024  # per stream; over it, retries supersede
+    egress_proxy: str = ""  # "" as [server] egress_proxy, "none" direct, or an http:// URL
 
 
 @dataclass(frozen=True)
@@ -291,6 +299,7 @@ def _check(config: Config) -> list[str]:
         problems.append(f"turns.header: must be an HTTP header name, not {config.turns.header!r}")
     if not config.upstream:
         problems.append("upstream: at least one upstream is needed (--upstream URL)")
+    problems += _check_egress(config)
     seen: set[str] = set()
     for i, up in enumerate(config.upstream):
         where = f"upstream[{i}]"
@@ -309,6 +318,34 @@ def _check(config: Config) -> list[str]:
         for key in ("connect_timeout", "idle_timeout"):
             if getattr(up, key) <= 0:
                 problems.append(f"{where}.{key}: must be positive")
+    return problems
+
+
+def _check_egress(config: Config) -> list[str]:
+    problems: list[str] = []
+    ca = config.server.ca_bundle
+    if ca and not os.path.exists(ca):
+        problems.append(f"server.ca_bundle: no such file or directory: {ca!r}")
+    settings = [("server.egress_proxy", config.server.egress_proxy)]
+    settings += [
+        (f"upstream[{i}].egress_proxy", u.egress_proxy) for i, u in enumerate(config.upstream)
+    ]
+    for where, setting in settings:
+        if setting.strip() and setting.strip().lower() not in egress.DIRECT:
+            try:
+                egress.parse_proxy_url(setting)
+            except ValueError as exc:
+                problems.append(f"{where}: {exc}")  # the message never repeats the URL
+    # Connections are pooled per origin, so one origin has one egress.
+    chosen: dict[egress.Origin, str] = {}
+    for i, up in enumerate(config.upstream):
+        setting = (up.egress_proxy or config.server.egress_proxy).strip()
+        key = egress.origin(up.url)
+        if chosen.setdefault(key, setting) != setting:
+            problems.append(
+                f"upstream[{i}].egress_proxy: another upstream at the same scheme, host and "
+                "port uses a different egress proxy"
+            )
     return problems
 
 

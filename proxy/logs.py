@@ -26,6 +26,7 @@ class Record:
     status: int = 0
     outcome: str = "pending"  # completed | superseded | client_gone | upstream_error | rejected
     error: str = ""  # an errors.* code when the request failed
+    cause: str = ""  # an upstream failure's cause and address (errors.UpstreamError.cause)
     streaming: bool = False
     source: str = "upstream"  # upstream | joined | resumed | replayed (proxy/join.py)
     bytes_out: int = 0

@@ -11,7 +11,11 @@ What it promises, because the relay depends on it:
 - cancellation while waiting for headers (or anywhere) closes the connection;
 - a finished keep-alive response returns its connection to a bounded, expiring idle pool;
 - chunked, content-length and read-until-close bodies; TLS for https (default context);
-- failures raise httpx's exceptions, so upstream.translate_errors maps them as before.
+- failures raise httpx's exceptions, so upstream.translate_errors maps them as before;
+- a request on a reused connection that fails before any response byte (the server closed
+  it as it was reused) is sent once more on a fresh one; on a fresh one it is never retried;
+- idle expiry follows the server's `Keep-Alive: timeout=N`, less a margin, capped;
+- an egress proxy per upstream origin (proxy/egress.py, proxy/tunnel.py).
 """
 
 from __future__ import annotations
@@ -26,7 +30,14 @@ from typing import Any, cast
 import httptools
 import httpx
 
+from proxy import tunnel
+from proxy.egress import EgressPlan, ProxyURL
+
 HIGH_WATER = 256 * 1024  # buffered, unread body bytes before reading from the socket pauses
+# A server's Keep-Alive hint is trusted this much: expire a second early, and never pool
+# longer than a minute (a load balancer may still close sooner; the retry covers that).
+HINT_MARGIN = 1.0
+HINT_CAP = 60.0
 Key = tuple[str, str, int]
 
 
@@ -41,6 +52,8 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self.reused = False
+        self.expiry = pool.expiry
+        self.proxy: ProxyURL | None = None  # set: requests go in absolute form to it
         self._write_ready: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0
@@ -62,6 +75,7 @@ class _Conn(asyncio.Protocol):
         self.error: Exception | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.reading_paused = False
+        self.received = False  # any byte of this response: it may not be sent again
 
     # -- asyncio.Protocol ------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -71,6 +85,7 @@ class _Conn(asyncio.Protocol):
         if self.started is None:  # idle: a server may not speak unasked
             self.close()
             return
+        self.received = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -141,6 +156,8 @@ class _Conn(asyncio.Protocol):
                 lname == b"transfer-encoding" and b"chunked" in value.lower()
             ):
                 self.framed = True
+            elif lname == b"keep-alive":
+                self.expiry = keep_alive_expiry(value, self.expiry)
         if self.head:
             # httptools cannot be told a HEAD response has no body: end it here and
             # never reuse the connection.
@@ -179,8 +196,14 @@ class _Conn(asyncio.Protocol):
         assert self.transport is not None
         self._reset(head=request.method == "HEAD")
         self.started = asyncio.get_running_loop().create_future()
-        head = [b"%s %s HTTP/1.1" % (request.method.encode(), request.url.raw_path)]
+        target = request.url.raw_path
+        if self.proxy is not None:  # absolute form, for the proxy to forward
+            url = request.url
+            target = b"%s://%s%s" % (url.raw_scheme, url.netloc, target)
+        head = [b"%s %s HTTP/1.1" % (request.method.encode(), target)]
         head += [b"%s: %s" % pair for pair in request.headers.raw]
+        if self.proxy is not None and self.proxy.authorization is not None:
+            head.append(b"Proxy-Authorization: " + self.proxy.authorization)
         chunked = request.headers.get("transfer-encoding", "").lower() == "chunked"
         data = b"\r\n".join(head) + b"\r\n\r\n"
         async for part in cast(httpx.AsyncByteStream, request.stream):
@@ -306,10 +329,12 @@ class Transport(httpx.AsyncBaseTransport):
         # is not reused just as the server closes it (that request would fail with a 502).
         keepalive_expiry: float = 4.0,
         ssl_context: ssl.SSLContext | None = None,
+        egress: EgressPlan | None = None,
     ) -> None:
         self.max_idle = max_idle_per_host
         self.expiry = keepalive_expiry
         self._ssl = ssl_context
+        self.egress = egress or EgressPlan()
         self._idle: dict[Key, deque[_Conn]] = {}
         self._all: set[_Conn] = set()
 
@@ -325,14 +350,20 @@ class Transport(httpx.AsyncBaseTransport):
             raise httpx.UnsupportedProtocol(f"unsupported URL scheme {url.scheme!r}")
         timeouts: dict[str, Any] = request.extensions.get("timeout", {})
         key = (url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80))
-        conn = self._acquire(key) or await self._connect(key, timeouts.get("connect"))
-        try:
-            await conn.send(request, timeouts)
-            assert conn.started is not None
-            await conn.wait(conn.started, timeouts.get("read"))
-        except BaseException:
-            conn.close()  # cancelled or failed before the headers: nothing to reuse
-            raise
+        conn = self._acquire(key)
+        if conn is not None:
+            try:
+                await self._exchange(conn, request, timeouts)
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                # The server closed the pooled connection as it was reused: nothing of
+                # this request can have been answered, so it goes once more on a fresh
+                # connection, as httpcore and urllib3 do. Anything else is not retried.
+                if conn.received or not isinstance(request.stream, httpx.ByteStream):
+                    raise
+                conn = None
+        if conn is None:
+            conn = await self._connect(key, timeouts.get("connect"))
+            await self._exchange(conn, request, timeouts)
         return httpx.Response(
             conn.status,
             headers=conn.headers,
@@ -340,9 +371,29 @@ class Transport(httpx.AsyncBaseTransport):
             extensions={"http_version": b"HTTP/1.1"},
         )
 
+    async def _exchange(
+        self, conn: _Conn, request: httpx.Request, timeouts: dict[str, Any]
+    ) -> None:
+        """Sends the request and waits for the response head."""
+        try:
+            await conn.send(request, timeouts)
+            assert conn.started is not None
+            await conn.wait(conn.started, timeouts.get("read"))
+        except BaseException:
+            conn.close()  # cancelled or failed before the headers: nothing to reuse
+            raise
+
     async def _connect(self, key: Key, seconds: float | None) -> _Conn:
         scheme, host, port = key
         tls = self._ssl_context() if scheme == "https" else None
+        proxy = self.egress.proxy_for(scheme, host, port)
+        if proxy is not None:
+            conn = await tunnel.open_connection(
+                proxy, host, port, tls, lambda: _Conn(self, key), seconds
+            )
+            conn.proxy = None if tls else proxy
+            self._all.add(conn)
+            return conn
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(seconds):
@@ -367,7 +418,7 @@ class Transport(httpx.AsyncBaseTransport):
         now = time.monotonic()
         while idle:
             conn = idle.pop()  # the most recently used: the least likely to have expired
-            if not conn.closed and now - conn.idle_since < self.expiry:
+            if not conn.closed and now - conn.idle_since < conn.expiry:
                 conn.reused = True
                 return conn
             conn.close()
@@ -382,7 +433,7 @@ class Transport(httpx.AsyncBaseTransport):
         conn.idle_since = time.monotonic()
         idle = self._idle.setdefault(conn.key, deque())
         while idle and (
-            len(idle) >= self.max_idle or conn.idle_since - idle[0].idle_since > self.expiry
+            len(idle) >= self.max_idle or conn.idle_since - idle[0].idle_since > idle[0].expiry
         ):
             idle.popleft().close()
         idle.append(conn)
@@ -404,3 +455,18 @@ class Transport(httpx.AsyncBaseTransport):
         for conn in list(self._all):
             conn.close()
         self._idle.clear()
+
+
+def keep_alive_expiry(value: bytes, default: float) -> float:
+    """Seconds an idle connection may be kept, from a `Keep-Alive: timeout=N, max=M` hint."""
+    for param in value.split(b","):
+        name, _, number = param.strip().partition(b"=")
+        if name.strip().lower() == b"timeout":
+            try:
+                seconds = float(number.strip())
+            except ValueError:
+                return default
+            if seconds != seconds:  # NaN
+                return default
+            return max(0.0, min(seconds - HINT_MARGIN, HINT_CAP))
+    return default
