@@ -58,7 +58,8 @@ def _reason(exc: BaseException) -> str | None:
     if isinstance(exc, httpx.ProxyError):
         return str(exc) or "the egress proxy failed"
     if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
-        return "connect timeout"
+        proxied = "egress proxy" in str(exc)  # tunnel.open_connection's
+        return "connect timeout through the egress proxy" if proxied else "connect timeout"
     if isinstance(exc, httpx.ReadTimeout):
         return "read timeout"
     if isinstance(exc, httpx.WriteTimeout):

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import httpx
 
+from proxy import causes
 from proxy.egress import ProxyURL
 
 P = TypeVar("P", bound=asyncio.Protocol)
@@ -96,7 +97,7 @@ async def open_connection(
         raise httpx.ConnectError(f"TLS to {target} through the egress proxy: {exc}") from exc
     except OSError as exc:
         raise httpx.ProxyError(
-            f"could not connect to the egress proxy {proxy.address}: {exc.strerror or exc}"
+            f"could not connect to the egress proxy {proxy.address}: {causes.describe(exc)}"
         ) from exc
 
 
