@@ -134,6 +134,11 @@ class HttpxTransports(httpx.AsyncBaseTransport):
         transport = self.direct if proxy is None else self.via[proxy]
         return await transport.handle_async_request(request)
 
+    def in_use(self) -> int:
+        """Connections carrying a response not yet closed (for leak checks)."""
+        pools = [t._pool for t in [self.direct, *self.via.values()]]
+        return sum(1 for p in pools for c in p.connections if not (c.is_idle() or c.is_closed()))
+
     async def aclose(self) -> None:
         for transport in [self.direct, *self.via.values()]:
             await transport.aclose()

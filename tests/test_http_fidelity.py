@@ -285,7 +285,7 @@ async def test_reset_mid_stream_names_the_cause(make_proxy: ProxyFactory) -> Non
         await reader.readuntil(b"\r\n\r\n")
         writer.write(
             b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n10\r\ndata: {\"n\": 1}\n\n\r\n"
+            b'Transfer-Encoding: chunked\r\n\r\n10\r\ndata: {"n": 1}\n\n\r\n'
         )
         await writer.drain()
         sock = writer.get_extra_info("socket")
