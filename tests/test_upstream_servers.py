@@ -154,24 +154,29 @@ def nginx_binary() -> str | None:
     return "/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None
 
 
+def _nginx_files(root: Path, port: int) -> Path:
+    for where in ("static", "dynamic"):
+        (root / "www" / where).mkdir(parents=True)
+        (root / "www" / where / "stream.sse").write_bytes(EVENTS)
+    (root / "www" / "static" / "stream.sse.gz").write_bytes(gzip.compress(EVENTS))
+    for path in [root, *root.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)  # nginx's workers may run as nobody
+    for parent in root.parents:  # ... and must get through pytest's private tmp directory
+        if parent == Path("/tmp"):
+            break
+        parent.chmod(parent.stat().st_mode | 0o111)
+    conf = root / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(dir=root, port=port))
+    return conf
+
+
 @pytest.fixture
 async def nginx(tmp_path: Path) -> AsyncIterator[str]:
     binary = nginx_binary()
     if binary is None:
         pytest.skip("nginx is not installed (scripts/test installs nginx-light)")
-    for where in ("static", "dynamic"):
-        (tmp_path / "www" / where).mkdir(parents=True)
-        (tmp_path / "www" / where / "stream.sse").write_bytes(EVENTS)
-    (tmp_path / "www" / "static" / "stream.sse.gz").write_bytes(gzip.compress(EVENTS))
-    for path in [tmp_path, *tmp_path.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)  # nginx's workers may run as nobody
-    for parent in tmp_path.parents:
-        if parent == Path("/tmp"):
-            break
-        parent.chmod(parent.stat().st_mode | 0o111)
     port = free_port()
-    conf = tmp_path / "nginx.conf"
-    conf.write_text(NGINX_CONF.format(dir=tmp_path, port=port))
+    conf = _nginx_files(tmp_path, port)
     proc = await asyncio.create_subprocess_exec(
         binary,
         "-c",
