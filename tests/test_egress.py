@@ -15,11 +15,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 import trustme
+import uvloop
 
 from proxy import cli, egress
 from proxy.config import ConfigError, from_dict, load
+from proxy.transport import Transport
+from proxy.upstream import ssl_context_for
 from tests.conftest import ProxyFactory
 from tests.sse_client import chat_body, events
 from tests.stress import harness
@@ -171,8 +175,6 @@ def log_lines() -> Iterator[Lines]:
 
 
 async def _stream(proxy_url: str) -> tuple[int, list[str]]:
-    import httpx  # noqa: PLC0415
-
     async with (
         httpx.AsyncClient(base_url=proxy_url, timeout=10, trust_env=False) as client,
         client.stream("POST", CHAT, json=chat_body()) as r,
@@ -267,8 +269,6 @@ async def test_an_upstream_set_to_none_goes_direct_whatever_the_server_says(
 
 
 async def _refused(make_proxy: ProxyFactory, url: str, **config: Any) -> tuple[Any, str]:
-    import httpx  # noqa: PLC0415
-
     async with make_proxy(url, **config) as p:
         harness.watch(p.runtime)
         async with httpx.AsyncClient(base_url=p.url, timeout=10, trust_env=False) as client:
@@ -432,3 +432,34 @@ def test_the_proxy_url_never_shows_its_credentials() -> None:
     assert proxy.authorization == b"Basic " + base64.b64encode(b"us@er:p:w")
     assert "p%3Aw" not in repr(proxy) and proxy.shown == "http://proxy:3128"
     assert json.dumps(proxy.address) == '"proxy:3128"'
+
+
+def test_the_tunnel_works_on_uvloop_the_loop_the_proxy_runs_on(
+    ca: trustme.CA, ca_file: str, tmp_path: Path
+) -> None:
+    """start_tls over a CONNECT tunnel, then the connection reused: on uvloop's transports,
+    which differ from asyncio's (the suite's other tests run on asyncio's)."""
+    pem = tmp_path / "server.pem"
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(pem))
+
+    async def main() -> tuple[list[int], list[tuple[str, str, str | None]]]:
+        scripted = ScriptedUpstream()
+        async with (
+            serve(scripted, ssl_certfile=str(pem), ssl_keyfile=str(pem)) as (url, _),
+            forward_proxy() as fp,
+        ):
+            port = int(url.rsplit(":", 1)[1])
+            choice = egress.Choice(egress.parse_proxy_url(fp.url), "test")
+            plan = egress.EgressPlan({("https", "127.0.0.1", port): choice})
+            transport = Transport(ssl_context=ssl_context_for(ca_file, {}), egress=plan)
+            statuses = []
+            async with httpx.AsyncClient(transport=transport, trust_env=False) as client:
+                for _ in range(2):
+                    r = await client.post(f"https://127.0.0.1:{port}{CHAT}", json=chat_body())
+                    assert "data: [DONE]" in r.text
+                    statuses.append(r.status_code)
+            return statuses, fp.seen
+
+    statuses, seen = uvloop.run(main())
+    assert statuses == [200, 200]
+    assert [method for method, _, _ in seen] == ["CONNECT"]  # one tunnel, reused
