@@ -11,7 +11,8 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 
-from proxy.transport import HINT_CAP, Transport, keep_alive_expiry
+from proxy.connection import HINT_CAP, keep_alive_expiry
+from proxy.transport import Transport
 from tests.conftest import ProxyFactory
 from tests.sse_client import chat_body
 from tests.test_transport import Server, client, content_length_response, serve
