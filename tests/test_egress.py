@@ -9,6 +9,8 @@ import asyncio
 import base64
 import json
 import logging
+import shutil
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
@@ -238,6 +240,48 @@ async def test_lower_case_variable_and_ssl_cert_file_are_honoured(
         async with make_proxy(tls_upstream.url) as p:
             status, _ = await _stream(p.url)
     assert status == 200 and [m for m, _, _ in fp.seen] == ["CONNECT"]
+
+
+@pytest.fixture
+def ca_dir(ca: trustme.CA, tmp_path: Path) -> str:
+    """A directory of hashed CA certificates, as SSL_CERT_DIR and `openssl rehash` make."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed")
+    where = tmp_path / "certs"
+    where.mkdir()
+    ca.cert_pem.write_to_path(str(where / "test-ca.pem"))
+    subprocess.run([openssl, "rehash", str(where)], check=True, capture_output=True)
+    return str(where)
+
+
+@pytest.mark.parametrize("how", ["SSL_CERT_DIR", "ca_bundle"])
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_directory_of_ca_certificates_is_honoured(
+    tls_upstream: ScriptedUpstream,
+    make_proxy: ProxyFactory,
+    ca_dir: str,
+    monkeypatch: pytest.MonkeyPatch,
+    how: str,
+    kind: str,
+) -> None:
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)  # it would win over SSL_CERT_DIR
+    config = {"server.http_transport": kind}
+    if how == "SSL_CERT_DIR":
+        monkeypatch.setenv("SSL_CERT_DIR", ca_dir)
+    else:
+        config["server.ca_bundle"] = ca_dir
+    async with make_proxy(tls_upstream.url, **config) as p:
+        status, got = await _stream(p.url)
+    assert status == 200 and got[-1] == "[DONE]"
+
+
+async def test_without_the_ca_the_tls_upstream_is_refused(
+    tls_upstream: ScriptedUpstream, make_proxy: ProxyFactory
+) -> None:
+    """The control for the CA tests above: the system's certificates do not know trustme's."""
+    r, cause = await _refused(make_proxy, tls_upstream.url)
+    assert r.status_code == 502 and "TLS verification failed" in cause
 
 
 @pytest.mark.parametrize("rule", ["127.0.0.1", "127.0.0.0/8", "*", "localhost,127.0.0.1"])
