@@ -187,15 +187,24 @@ async def _stream(proxy_url: str) -> tuple[int, list[str]]:
 # --- through the proxy ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("source", ["server.egress_proxy", "HTTP_PROXY", "all_proxy"])
 @pytest.mark.parametrize("kind", KINDS)
-async def test_http_upstream_through_the_config_proxy_in_absolute_form_with_credentials(
-    upstream: ScriptedUpstream, make_proxy: ProxyFactory, kind: str, log_lines: Lines
+async def test_http_upstream_through_the_proxy_in_absolute_form_with_credentials(
+    upstream: ScriptedUpstream,
+    make_proxy: ProxyFactory,
+    kind: str,
+    source: str,
+    log_lines: Lines,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async with forward_proxy(credentials=f"user:{SECRET}") as fp:
-        config = {
-            "server.egress_proxy": with_credentials(fp.url, f"user:{SECRET}"),
-            "server.http_transport": kind,
-        }
+        config = {"server.http_transport": kind}
+        proxy_url = with_credentials(fp.url, f"user:{SECRET}")
+        if source.startswith("server."):
+            config[source] = proxy_url
+        else:
+            monkeypatch.setenv(source, proxy_url)
+            monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:1")  # for https:// only: unused
         async with make_proxy(upstream.url, **config) as p:
             status, got = await _stream(p.url)
             status2, _ = await _stream(p.url)
@@ -207,16 +216,18 @@ async def test_http_upstream_through_the_config_proxy_in_absolute_form_with_cred
     assert not any(SECRET in line for line in log_lines.lines)
 
 
+@pytest.mark.parametrize("variable", ["HTTPS_PROXY", "ALL_PROXY"])
 @pytest.mark.parametrize("kind", KINDS)
 async def test_https_upstream_through_a_connect_tunnel_from_the_environment(
     tls_upstream: ScriptedUpstream,
     make_proxy: ProxyFactory,
     ca_file: str,
     kind: str,
+    variable: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async with forward_proxy() as fp:
-        monkeypatch.setenv("HTTPS_PROXY", fp.url)
+        monkeypatch.setenv(variable, fp.url)
         monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:1")  # for http:// only: unused
         config = {"server.ca_bundle": ca_file, "server.http_transport": kind}
         async with make_proxy(tls_upstream.url, **config) as p:
