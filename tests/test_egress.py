@@ -287,12 +287,17 @@ async def test_a_directory_of_ca_certificates_is_honoured(
     assert status == 200 and got[-1] == "[DONE]"
 
 
+@pytest.mark.parametrize("tunnelled", [False, True])
 async def test_without_the_ca_the_tls_upstream_is_refused(
-    tls_upstream: ScriptedUpstream, make_proxy: ProxyFactory
+    tls_upstream: ScriptedUpstream, make_proxy: ProxyFactory, tunnelled: bool
 ) -> None:
-    """The control for the CA tests above: the system's certificates do not know trustme's."""
-    r, cause = await _refused(make_proxy, tls_upstream.url)
+    """The control for the CA tests above: the system's certificates do not know trustme's,
+    directly or inside a tunnel."""
+    async with forward_proxy() as fp:
+        config = {"server.egress_proxy": fp.url if tunnelled else "none"}
+        r, cause = await _refused(make_proxy, tls_upstream.url, **config)
     assert r.status_code == 502 and "TLS verification failed" in cause
+    assert [m for m, _, _ in fp.seen] == (["CONNECT"] if tunnelled else [])
 
 
 @pytest.mark.parametrize("rule", ["127.0.0.1", "127.0.0.0/8", "*", "localhost,127.0.0.1"])
