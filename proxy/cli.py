@@ -56,10 +56,21 @@ def config_from_args(args: argparse.Namespace) -> Config:
         overrides["registry.backend"] = "redis"
         overrides["registry.url"] = args.registry_url
     config = load(args.config, overrides=overrides)
-    try:  # the environment's proxy URLs are checked now, not at the first request
-        egress.plan(config, os.environ)
-    except ValueError as exc:
-        raise ConfigError([str(exc)]) from None
+    from proxy.upstream import ssl_context_for  # noqa: PLC0415 - imports httpx: not for --help
+
+    # The environment's proxy URLs and CA certificates are checked now, not when the
+    # server starts (a traceback) or at the first request.
+    problems = []
+    for check in (
+        lambda: egress.plan(config, os.environ),
+        lambda: ssl_context_for(config.server.ca_bundle, os.environ),
+    ):
+        try:
+            check()
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError(problems)
     return config
 
 

@@ -146,17 +146,23 @@ class HttpxTransports(httpx.AsyncBaseTransport):
 
 def ssl_context_for(ca_bundle: str, environ: Mapping[str, str]) -> ssl.SSLContext | None:
     """The CA certificates upstreams are verified with: `[server] ca_bundle`, else
-    SSL_CERT_FILE, else SSL_CERT_DIR; None for each transport's default."""
+    SSL_CERT_FILE, else SSL_CERT_DIR; None for each transport's default. ValueError naming
+    the setting when its certificates cannot be loaded."""
     cafile = capath = None
     if ca_bundle:
+        where = "server.ca_bundle"
         cafile, capath = (None, ca_bundle) if os.path.isdir(ca_bundle) else (ca_bundle, None)
     elif environ.get("SSL_CERT_FILE"):
-        cafile = environ["SSL_CERT_FILE"]
+        where, cafile = "SSL_CERT_FILE", environ["SSL_CERT_FILE"]
     elif environ.get("SSL_CERT_DIR"):
-        capath = environ["SSL_CERT_DIR"]
+        where, capath = "SSL_CERT_DIR", environ["SSL_CERT_DIR"]
     else:
         return None
-    context = ssl.create_default_context(cafile=cafile, capath=capath)
+    try:
+        context = ssl.create_default_context(cafile=cafile, capath=capath)
+    except (OSError, ssl.SSLError) as exc:
+        shown = cafile or capath
+        raise ValueError(f"{where}: cannot load CA certificates from {shown!r}: {exc}") from None
     context.set_alpn_protocols(["http/1.1"])
     return context
 

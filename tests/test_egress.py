@@ -438,6 +438,28 @@ def _config(**overrides: str) -> Any:
     return load(env={}, overrides={"upstream.url": "https://api.example.com", **overrides})
 
 
+@pytest.mark.parametrize("how", ["SSL_CERT_FILE", "--config"])
+def test_unloadable_ca_certificates_stop_startup_with_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    how: str,
+) -> None:
+    bad = tmp_path / "not-a-cert.pem"
+    bad.write_text("this is not PEM\n")
+    args = ["--upstream", "https://api.example.com"]
+    if how == "SSL_CERT_FILE":
+        monkeypatch.setenv("SSL_CERT_FILE", str(bad))
+        expected = "SSL_CERT_FILE: cannot load CA certificates"
+    else:
+        conf = tmp_path / "c.toml"
+        conf.write_text(f'[server]\nca_bundle = "{bad}"\n')
+        args += ["--config", str(conf)]
+        expected = "server.ca_bundle: cannot load CA certificates"
+    assert cli.main(args) == 2
+    assert expected in capsys.readouterr().err
+
+
 def test_startup_lines_name_the_proxy_without_credentials() -> None:
     lines = cli.startup_lines(_config(**{"server.egress_proxy": "http://u:pw@p:3128"}), environ={})
     assert "  egress proxy for 'default': http://p:3128 (from server.egress_proxy)" in lines
