@@ -79,6 +79,9 @@ class Transport(httpx.AsyncBaseTransport):
         if conn is None:
             conn = await self._connect(key, timeouts.get("connect"))
             await self._exchange(conn, request, timeouts)
+        if conn.proxy is not None and conn.status == 407:
+            conn.close()
+            raise tunnel.refused_credentials(conn.proxy)
         return httpx.Response(
             conn.status,
             headers=conn.headers,

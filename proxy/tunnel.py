@@ -113,3 +113,11 @@ def _check_answer(head: bytes, proxy: ProxyURL, target: str) -> None:
     rest = head.split(b"\r\n\r\n", 1)[1]
     if rest:  # the upstream speaks second in TLS: bytes now are not the upstream's
         raise httpx.ProxyError(f"the egress proxy {proxy.address} sent data after its answer")
+
+
+def refused_credentials(proxy: ProxyURL) -> httpx.ProxyError:
+    """For a 407 to an absolute-form request: the proxy's answer, not the upstream's, so
+    not the client's to see as one (a 502 with this cause instead, as for CONNECT)."""
+    return httpx.ProxyError(
+        f"the egress proxy {proxy.address} answered 407 Proxy Authentication Required"
+    )

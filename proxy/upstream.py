@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import httpx
 
-from proxy import causes
+from proxy import causes, tunnel
 from proxy.config import UpstreamConfig
 from proxy.egress import EgressPlan, ProxyURL
 from proxy.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
@@ -131,8 +131,13 @@ class HttpxTransports(httpx.AsyncBaseTransport):
         url = request.url
         port = url.port or (443 if url.scheme == "https" else 80)
         proxy = self.egress.proxy_for(url.scheme, url.host, port)
-        transport = self.direct if proxy is None else self.via[proxy]
-        return await transport.handle_async_request(request)
+        if proxy is None:
+            return await self.direct.handle_async_request(request)
+        response = await self.via[proxy].handle_async_request(request)
+        if response.status_code == 407 and url.scheme == "http":
+            await response.aclose()
+            raise tunnel.refused_credentials(proxy)
+        return response
 
     def in_use(self) -> int:
         """Connections carrying a response not yet closed (for leak checks)."""

@@ -354,16 +354,29 @@ async def test_a_proxy_refusing_connect_is_a_502_whose_cause_says_so(
         assert f"egress proxy {urlsplit(fp.url).netloc} refused CONNECT" in cause
 
 
+@pytest.mark.parametrize("tls", [True, False])
+@pytest.mark.parametrize("kind", KINDS)
 async def test_wrong_proxy_credentials_are_a_502_and_never_logged(
-    tls_upstream: ScriptedUpstream, make_proxy: ProxyFactory, ca_file: str, log_lines: Lines
+    tls_upstream: ScriptedUpstream,
+    upstream: ScriptedUpstream,
+    make_proxy: ProxyFactory,
+    ca_file: str,
+    log_lines: Lines,
+    kind: str,
+    tls: bool,
 ) -> None:
+    """CONNECT refused with 407, or a 407 to an absolute-form request: the proxy's answer,
+    never passed to the client as if the upstream had sent it."""
     async with forward_proxy(credentials="user:right") as fp:
         config = {
             "server.egress_proxy": with_credentials(fp.url, f"user:{SECRET}"),
             "server.ca_bundle": ca_file,
+            "server.http_transport": kind,
         }
-        r, cause = await _refused(make_proxy, tls_upstream.url, **config)
+        target = tls_upstream.url if tls else upstream.url
+        r, cause = await _refused(make_proxy, target, **config)
     assert r.status_code == 502 and "407" in cause
+    assert tls_upstream.seen == upstream.seen == []
     assert not any(SECRET in line for line in log_lines.lines)
     assert SECRET not in r.text
 
