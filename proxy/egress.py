@@ -96,7 +96,7 @@ def no_proxy_matches(rules: str, host: str, port: int) -> bool:
             rule_port = int(tail) if tail.isdigit() else None
             if rule_port is None:
                 name = rule
-        name = name.strip("[]")
+        name = name.strip("[]").lstrip("*")  # "*.example.com" as ".example.com"
         if rule_port is not None and rule_port != port:
             continue
         if (

@@ -516,6 +516,8 @@ def test_a_missing_ca_bundle_is_a_config_error(tmp_path: Path) -> None:
         ("h:8080", "h", 80, False),
         ("", "h", 80, False),
         (" A.example.COM ,x", "a.example.com", 1, True),
+        ("*.example.com", "api.example.com", 443, True),
+        ("[::1]", "::1", 80, True),
     ],
 )
 def test_no_proxy_rules(rules: str, host: str, port: int, matches: bool) -> None:
