@@ -45,8 +45,8 @@ class UpstreamClient:
         with translate_errors(name, address):
             response = await self.transport.handle_async_request(request)
         response.request = request
-        assert isinstance(response.stream, httpx.AsyncByteStream)
-        response.stream = _TranslatedBody(response.stream, name, address)
+        if isinstance(response.stream, httpx.AsyncByteStream):  # every transport's is
+            response.stream = _TranslatedBody(response.stream, name, address)
         return response
 
     async def aclose(self) -> None:
