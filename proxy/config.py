@@ -299,7 +299,10 @@ def _check(config: Config) -> list[str]:
         problems.append(f"turns.header: must be an HTTP header name, not {config.turns.header!r}")
     if not config.upstream:
         problems.append("upstream: at least one upstream is needed (--upstream URL)")
-    problems += _check_egress(config)
+    ca = config.server.ca_bundle
+    if ca and not os.path.exists(ca):
+        problems.append(f"server.ca_bundle: no such file or directory: {ca!r}")
+    problems += egress.problems(config)
     seen: set[str] = set()
     for i, up in enumerate(config.upstream):
         where = f"upstream[{i}]"
@@ -318,34 +321,6 @@ def _check(config: Config) -> list[str]:
         for key in ("connect_timeout", "idle_timeout"):
             if getattr(up, key) <= 0:
                 problems.append(f"{where}.{key}: must be positive")
-    return problems
-
-
-def _check_egress(config: Config) -> list[str]:
-    problems: list[str] = []
-    ca = config.server.ca_bundle
-    if ca and not os.path.exists(ca):
-        problems.append(f"server.ca_bundle: no such file or directory: {ca!r}")
-    settings = [("server.egress_proxy", config.server.egress_proxy)]
-    settings += [
-        (f"upstream[{i}].egress_proxy", u.egress_proxy) for i, u in enumerate(config.upstream)
-    ]
-    for where, setting in settings:
-        if setting.strip() and setting.strip().lower() not in egress.DIRECT:
-            try:
-                egress.parse_proxy_url(setting)
-            except ValueError as exc:
-                problems.append(f"{where}: {exc}")  # the message never repeats the URL
-    # Connections are pooled per origin, so one origin has one egress.
-    chosen: dict[egress.Origin, str] = {}
-    for i, up in enumerate(config.upstream):
-        setting = (up.egress_proxy or config.server.egress_proxy).strip()
-        key = egress.origin(up.url)
-        if chosen.setdefault(key, setting) != setting:
-            problems.append(
-                f"upstream[{i}].egress_proxy: another upstream at the same scheme, host and "
-                "port uses a different egress proxy"
-            )
     return problems
 
 

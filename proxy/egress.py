@@ -184,6 +184,32 @@ def plan(config: Config, environ: Mapping[str, str]) -> EgressPlan:
     return EgressPlan(choices)
 
 
+def problems(config: Config) -> list[str]:
+    """The egress settings' problems, for config.check: each with its key path."""
+    found: list[str] = []
+    settings = [("server.egress_proxy", config.server.egress_proxy)]
+    settings += [
+        (f"upstream[{i}].egress_proxy", u.egress_proxy) for i, u in enumerate(config.upstream)
+    ]
+    for where, setting in settings:
+        if setting.strip() and setting.strip().lower() not in DIRECT:
+            try:
+                parse_proxy_url(setting)
+            except ValueError as exc:
+                found.append(f"{where}: {exc}")  # the message never repeats the URL
+    # Connections are pooled per origin, so one origin has one egress.
+    chosen: dict[Origin, str] = {}
+    for i, up in enumerate(config.upstream):
+        setting = (up.egress_proxy or config.server.egress_proxy).strip()
+        key = origin(up.url)
+        if chosen.setdefault(key, setting) != setting:
+            found.append(
+                f"upstream[{i}].egress_proxy: another upstream at the same scheme, host and "
+                "port uses a different egress proxy"
+            )
+    return found
+
+
 def startup_lines(config: Config, environ: Mapping[str, str]) -> list[str]:
     """One line per upstream that goes through an egress proxy (credentials never shown)."""
     lines = []
