@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,7 +28,7 @@ from starlette.types import Receive as ASGIReceive
 from starlette.types import Scope
 from starlette.types import Send as ASGISend
 
-from proxy import dialects, follow, logs, shutdown, status, turns
+from proxy import dialects, egress, follow, logs, shutdown, status, turns
 from proxy.config import Config, UpstreamConfig
 from proxy.errors import BodyTooLarge, NoRoute, StreamfenceError, Unauthorized
 from proxy.follow import Attempt, Decision, Generations, Policy
@@ -37,7 +38,7 @@ from proxy.metrics import Metrics
 from proxy.registry import MemoryRegistry, Registry
 from proxy.relay import Exchange, Receive, Send, Subscriber, error_response_parts
 from proxy.routing import RESERVED_PREFIX, Router, request_headers
-from proxy.upstream import UpstreamClient, build_request, create_client
+from proxy.upstream import UpstreamClient, build_request, create_client, ssl_context_for
 
 ACCESS_TOKEN_HEADER = b"x-streamfence-token"
 REQUEST_ID_HEADER = b"x-request-id"
@@ -100,6 +101,7 @@ class Runtime:
 
     def finished(self, record: Record, error: StreamfenceError | None) -> None:
         kind = getattr(error, "kind", None)
+        record.cause = getattr(error, "cause", "")
         self.metrics.observe(record, kind)
         self.metrics.in_flight.dec()
         if record.outcome == "superseded":
@@ -289,7 +291,12 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        runtime.client = create_client(transport, config.server.http_transport)
+        runtime.client = create_client(
+            transport,
+            config.server.http_transport,
+            egress.plan(config, os.environ),
+            ssl_context_for(config.server.ca_bundle, os.environ),
+        )
         runtime.generations = Generations(runtime.client, runtime.registry, runtime.budget)
         await runtime.registry.start()
         drain = shutdown.Drain(runtime.active, config.server.shutdown_grace)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 from urllib.parse import urlsplit
 
+from proxy import egress
 from proxy.dialects import DIALECTS
 
 ENV_PREFIX = "STREAMFENCE_"
@@ -46,6 +47,12 @@ class ServerConfig:
     http_transport: str = "fast"
     # All generation buffers of the process together (what followers read).
     join_buffer_total_bytes: int = 256 * 1024 * 1024
+    # The forward proxy to the upstreams: "" from HTTPS_PROXY/HTTP_PROXY/ALL_PROXY/NO_PROXY,
+    # "none" for direct connections, or an http:// URL (proxy/egress.py).
+    egress_proxy: str = ""
+    # CA certificates to verify upstreams with (a PEM file or a c_rehash'd directory); ""
+    # for SSL_CERT_FILE / SSL_CERT_DIR, else the system's.
+    ca_bundle: str = ""
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,7 @@ class UpstreamConfig:
     replay_window: float = 0.0  # seconds a finished stream stays replayable; 0: never
     replay_fingerprints: bool = False  # replay for fingerprint keys too, not only X-Turn-Id
     join_buffer_bytes: int = 8 * 1024 * 1024  # per generation; over it, nobody may follow
+    egress_proxy: str = ""  # "" as [server] egress_proxy, "none" direct, or an http:// URL
 
 
 @dataclass(frozen=True)
@@ -300,6 +308,10 @@ def _check(config: Config) -> list[str]:
         problems.append(f"turns.header: must be an HTTP header name, not {config.turns.header!r}")
     if not config.upstream:
         problems.append("upstream: at least one upstream is needed (--upstream URL)")
+    ca = config.server.ca_bundle
+    if ca and not os.path.exists(ca):
+        problems.append(f"server.ca_bundle: no such file or directory: {ca!r}")
+    problems += egress.problems(config)
     seen: set[str] = set()
     for i, up in enumerate(config.upstream):
         where = f"upstream[{i}]"

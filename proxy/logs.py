@@ -27,6 +27,7 @@ class Record:
     outcome: str = "pending"  # completed | superseded | client_gone | upstream_error | rejected
     # | shutdown
     error: str = ""  # an errors.* code when the request failed
+    cause: str = ""  # an upstream failure's cause and address (errors.UpstreamError.cause)
     streaming: bool = False
     source: str = "upstream"  # upstream | beside | followed | resumed | replayed (proxy/follow.py)
     bytes_out: int = 0
