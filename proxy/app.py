@@ -31,7 +31,7 @@ from proxy.config import Config
 from proxy.errors import BodyTooLarge, NoRoute, StreamfenceError, Unauthorized
 from proxy.join import JoinPlan, JoinRelay
 from proxy.logs import Record
-from proxy.metrics import Metrics
+from proxy.metrics import Metrics, scrape_authorized
 from proxy.registry import MemoryRegistry, Registry
 from proxy.relay import Exchange, Receive, Relay, Send, error_response_parts
 from proxy.routing import RESERVED_PREFIX, Router, request_headers
@@ -273,8 +273,10 @@ def create_app(
         return JSONResponse({"status": "ready" if ok else "not ready"}, 200 if ok else 503)
 
     async def metrics(request: Request) -> Response:
-        if not runtime.authorized(request.scope["headers"]):
-            return PlainTextResponse("access token required\n", 401)
+        if not scrape_authorized(request.headers, runtime.token):
+            return PlainTextResponse(
+                "access token required\n", 401, headers={"www-authenticate": "Bearer"}
+            )
         return Response(runtime.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def status_page(request: Request) -> Response:

@@ -34,7 +34,9 @@ class ServerConfig:
     port: int = 8787
     access_token: str = ""
     max_body_bytes: int = 32 * 1024 * 1024
-    shutdown_grace: float = 10.0
+    # Below the default stop timeouts of Docker (10 s) and Kubernetes (30 s) with uvicorn's
+    # margin on top (shutdown.UVICORN_MARGIN): 5 + 3 < 10, so `docker stop` never kills it.
+    shutdown_grace: float = 5.0
     # A client that keeps one write blocked this long (not reading) is dropped and its
     # upstream closed; 0 waits for ever. Flow control already bounds what is buffered.
     write_timeout: float = 60.0

@@ -2,7 +2,8 @@
 dialects, outcomes and error kinds only: never a credential, a turn id or a body.
 
     streamfence_requests_total{upstream,dialect,outcome}   finished requests; outcome is
-        completed | superseded | client_gone | upstream_error | rejected
+        completed | superseded | client_gone | upstream_error | rejected | shutdown
+        (shutdown: ended by the proxy's own shutdown after `shutdown_grace`)
     streamfence_streams_in_flight                          requests being served now
     streamfence_supersedes_total{upstream}                 attempts fenced by a newer one
     streamfence_events_dropped_total{upstream}             events the fence kept back
@@ -11,14 +12,37 @@ dialects, outcomes and error kinds only: never a credential, a turn id or a body
     streamfence_added_ttfb_seconds                         time to first byte the proxy adds
     streamfence_upstream_errors_total{upstream,kind}       connect | timeout | protocol | malformed
     streamfence_registry_unavailable_total                 forwarded unfenced (fail_open)
+    streamfence_follows_total{upstream,how}                requests served from a running or
+        recorded generation; how is followed | resumed | replayed
+    streamfence_upstream_requests_saved_total{upstream}    upstream requests those saved
+    streamfence_generations_total{upstream}                generations started upstream
+    streamfence_build_info{version}                        always 1
+    process_*, python_*                                    prometheus_client's process, platform
+        and garbage-collector collectors, as on any Python exporter
 
 Each app has its own CollectorRegistry, so several apps (tests, workers) never collide.
+`/_streamfence/metrics` takes the access token as `x-streamfence-token` or as
+`Authorization: Bearer` (what Prometheus' `authorization` scrape setting sends).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import hmac
+from collections.abc import Mapping
 
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+
+from proxy import __version__
 from proxy.logs import Record
 
 _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -27,6 +51,12 @@ _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        Info("streamfence_build", "streamfence's version", registry=r).info(
+            {"version": __version__}
+        )
         self.requests = Counter(
             "streamfence_requests",
             "Finished requests",
@@ -71,6 +101,25 @@ class Metrics:
             ["upstream", "how"],
             registry=r,
         )
+        # Follows (CONTRACT section 3): each follow is an upstream request saved.
+        self.follows = Counter(
+            "streamfence_follows",
+            "Requests served from a running or recorded generation instead of upstream",
+            ["upstream", "how"],
+            registry=r,
+        )
+        self.requests_saved = Counter(
+            "streamfence_upstream_requests_saved",
+            "Upstream requests not made because a request followed a generation",
+            ["upstream"],
+            registry=r,
+        )
+        self.generations = Counter(
+            "streamfence_generations",
+            "Generations started upstream (requests that went upstream for a turn)",
+            ["upstream"],
+            registry=r,
+        )
         self.registry_unavailable = Counter(
             "streamfence_registry_unavailable",
             "Requests forwarded without fencing because the registry was unreachable",
@@ -97,3 +146,15 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def scrape_authorized(headers: Mapping[str, str], token: bytes) -> bool:
+    """The metrics endpoint's check: the proxy's own token header, or a bearer token. Only
+    here: on the proxy path `Authorization` is the caller's upstream credential."""
+    if not token:
+        return True
+    given = headers.get("x-streamfence-token", "")
+    if not given:
+        scheme, _, credential = headers.get("authorization", "").partition(" ")
+        given = credential.strip() if scheme.lower() == "bearer" else ""
+    return hmac.compare_digest(given.encode(), token)
