@@ -19,6 +19,7 @@ from proxy.dialects import DIALECTS
 
 ENV_PREFIX = "STREAMFENCE_"
 MAX_UPSTREAMS = 256  # STREAMFENCE_UPSTREAM_<index>_*: a typo'd huge index must not allocate
+_EXAMPLE_URL = "https://api.openai.com"
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token
 
 
@@ -105,19 +106,45 @@ def load(
     *,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
+    flags: Mapping[str, str] | None = None,
 ) -> Config:
     """Build a Config: file, then `STREAMFENCE_*` environment, then `overrides` (CLI flags).
 
     `overrides` uses dotted key paths ("server.port"), plus "upstream.url" as a shorthand
-    for one upstream at prefix "/".
+    for one upstream at prefix "/". `flags` names the flag each override came from
+    ({"server.port": "--port"}): a problem with a value says where the user set it, the
+    environment variable or the flag, after its key path.
     """
     data: dict[str, Any] = {}
     if path is not None:
         data = _read_toml(path)
     env = os.environ if env is None else env
-    _apply(data, _from_env(env))
-    _apply(data, dict(overrides or {}))
-    return from_dict(data)
+    from_env, env_names = _from_env(env)
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    origin = {_problem_path(k): name for k, name in env_names.items()}
+    origin.update({_problem_path(k): flags[k] for k in given if flags and k in flags})
+    _apply(data, from_env)
+    _apply(data, given)
+    try:
+        return from_dict(data)
+    except ConfigError as exc:
+        raise ConfigError([_with_origin(p, origin) for p in exc.problems]) from None
+
+
+def _problem_path(dotted: str) -> str:
+    """The key path problems are reported with: upstream.0.url -> upstream[0].url."""
+    parts = dotted.split(".")
+    if parts[0] == "upstream":
+        if len(parts) == 2:  # the single-upstream shorthand sets the first one
+            parts = ["upstream", "0", parts[1]]
+        return f"upstream[{parts[1]}].{'.'.join(parts[2:])}"
+    return dotted
+
+
+def _with_origin(problem: str, origin: Mapping[str, str]) -> str:
+    key = problem.split(":", 1)[0]
+    where = origin.get(key)
+    return f"{problem} (from {where})" if where else problem
 
 
 def _read_toml(path: str) -> dict[str, Any]:
@@ -130,8 +157,10 @@ def _read_toml(path: str) -> dict[str, Any]:
         raise ConfigError([f"{path}: not valid TOML: {exc}"]) from exc
 
 
-def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+def _from_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The settings in `env`, by dotted key path, and the variable each came from."""
     out: dict[str, Any] = {}
+    names: dict[str, str] = {}
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX):
             continue
@@ -141,10 +170,14 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         section, rest = parts
         if section == "upstream":
             index, _, key = rest.partition("_")
-            out[f"upstream.{index}.{key}" if index.isdigit() else f"upstream.{rest}"] = value
+            dotted = f"upstream.{index}.{key}" if index.isdigit() else f"upstream.{rest}"
         elif section in ("server", "turns", "registry"):
-            out[f"{section}.{rest}"] = value
-    return out
+            dotted = f"{section}.{rest}"
+        else:
+            continue
+        out[dotted] = value
+        names[dotted] = name
+    return out, names
 
 
 def _apply(data: dict[str, Any], flat: Mapping[str, Any]) -> None:
@@ -292,12 +325,17 @@ def _check(config: Config) -> list[str]:
         # Any other name would never match a request header (or fail to encode at startup).
         problems.append(f"turns.header: must be an HTTP header name, not {config.turns.header!r}")
     if not config.upstream:
-        problems.append("upstream: at least one upstream is needed (--upstream URL)")
+        problems.append(
+            "upstream: at least one upstream is needed (required: --upstream URL, "
+            "STREAMFENCE_UPSTREAM_URL, or an [[upstream]] table with a url)"
+        )
     seen: set[str] = set()
     for i, up in enumerate(config.upstream):
         where = f"upstream[{i}]"
         parts = urlsplit(up.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        if not up.url:
+            problems.append(f"{where}.url: required: the provider's base URL, e.g. {_EXAMPLE_URL}")
+        elif parts.scheme not in ("http", "https") or not parts.hostname:
             problems.append(f"{where}.url: must be an http:// or https:// URL, not {up.url!r}")
         if not up.prefix.startswith("/"):
             problems.append(f"{where}.prefix: must start with '/', not {up.prefix!r}")

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy import cli, logs
+from proxy import logs, serve
 from proxy.config import load
 from tests.conftest import ProxyFactory
 from tests.sse_client import chat_body, events, open_stream
@@ -81,7 +81,8 @@ async def test_json_lines_for_each_request_and_the_supersede(
         assert line["status"] == 200 and line["streaming"] is True
         assert line["turn"] == a["turn"] and re.fullmatch(r"[0-9a-f]{16}", line["turn"])
         assert line["ttfb_ms"] >= 0 and line["duration_ms"] >= line["ttfb_ms"]
-        assert isinstance(line["ts"], float)
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", line["ts"])  # RFC 3339
+        assert (line["level"], line["logger"]) == ("info", "streamfence")
     assert (a["attempt"], a["outcome"], a["superseded_by"]) == (1, "superseded", 2)
     assert a["error"] == "stream_superseded" and a["fence_latency_ms"] < 50
     assert (b["attempt"], b["outcome"]) == (2, "completed")
@@ -153,7 +154,7 @@ def test_startup_lines_say_where_which_upstreams_and_which_registry() -> None:
             "registry.url": "redis://:redispass@10.0.0.5:6379/2",
         },
     )
-    lines = cli.startup_lines(config)
+    lines = serve.startup_lines(config)
     text = "\n".join(lines)
     assert lines[0].endswith("listening on http://127.0.0.1:9999")
     assert "upstream 'default': / -> https://api.openai.com (dialect auto)" in text
@@ -165,9 +166,9 @@ def test_startup_lines_say_where_which_upstreams_and_which_registry() -> None:
 
 def test_startup_warns_about_an_open_port_without_a_token() -> None:
     base = {"upstream.url": "https://api.openai.com", "server.host": "0.0.0.0"}
-    open_lines = cli.startup_lines(load(env={}, overrides=base))
+    open_lines = serve.startup_lines(load(env={}, overrides=base))
     assert open_lines[0].endswith("listening on http://0.0.0.0:8787")
     assert open_lines[-1].startswith("WARNING: listening on 0.0.0.0")
-    guarded = cli.startup_lines(load(env={}, overrides={**base, "server.access_token": "t"}))
+    guarded = serve.startup_lines(load(env={}, overrides={**base, "server.access_token": "t"}))
     assert not any("WARNING" in line for line in guarded)
     assert "registry: memory" in guarded[-1]

@@ -208,7 +208,9 @@ async def test_bearer_is_only_for_metrics_on_the_proxy_path_it_is_the_upstream_c
         proxy.client() as client,
     ):
         # The proxy's token as a bearer does not open the proxy path...
-        refused = await client.post(CHAT, json=chat_body("a"), headers={"authorization": "Bearer tok"})
+        refused = await client.post(
+            CHAT, json=chat_body("a"), headers={"authorization": "Bearer tok"}
+        )
         assert refused.status_code == 401
         # ...and the caller's own bearer still reaches the upstream untouched.
         headers = {"x-streamfence-token": "tok", "authorization": "Bearer sk-upstream-key"}
