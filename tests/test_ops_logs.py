@@ -4,11 +4,16 @@ traffic that must never reach a log."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
 import re
+import signal
+import sys
 from collections.abc import Iterator
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,8 +23,9 @@ from proxy import logs, serve
 from proxy.config import load
 from tests.conftest import ProxyFactory
 from tests.sse_client import chat_body, events, open_stream
-from tests.upstream import ScriptedUpstream
+from tests.upstream import ScriptedUpstream, free_port
 
+ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/v1/chat/completions"
 SECRET = "sk-proj-LOGSECRET-0123456789abcdef"
 TURN_ID = "turn-LOGSECRET-id"
@@ -172,3 +178,64 @@ def test_startup_warns_about_an_open_port_without_a_token() -> None:
     guarded = serve.startup_lines(load(env={}, overrides={**base, "server.access_token": "t"}))
     assert not any("WARNING" in line for line in guarded)
     assert "registry: memory" in guarded[-1]
+
+
+RFC3339 = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)")
+
+
+async def test_in_json_mode_every_line_the_process_writes_is_one_json_object(
+    upstream: ScriptedUpstream,
+) -> None:
+    """The real command, JSON mode (the default): the startup lines, request lines, warnings
+    from streamfence (a Redis registry that is down: fail_open), uvicorn's own error log (a
+    malformed request) and the shutdown on SIGTERM: each line parses as one JSON object."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("STREAMFENCE_")}
+    proc = await asyncio.create_subprocess_exec(
+        *[sys.executable, "-m", "proxy", "--upstream", upstream.url, "--port", "0"],
+        *["--registry-url", f"redis://127.0.0.1:{free_port()}/0"],  # nobody listens there
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=clean,
+        cwd=ROOT,
+    )
+    assert proc.stderr is not None and proc.stdout is not None
+    try:
+        first = await asyncio.wait_for(proc.stderr.readline(), 30)
+        url = json.loads(first)["msg"].rsplit(" ", 1)[1]
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            ok = await client.post(CHAT, json=chat_body("ok"), headers={"X-Turn-Id": "t1"})
+            assert ok.status_code == 200
+            broken = await client.post(CHAT, json=chat_body("broken", fail_after=1))
+            assert "error" in broken.text  # the stream broke after one event
+            rejected = await client.post(CHAT, json={}, headers={"X-Turn-Id": ""})
+            assert rejected.status_code == 400
+        reader, writer = await asyncio.open_connection(*url.removeprefix("http://").split(":"))
+        writer.write(b"NOT HTTP AT ALL\r\n\r\n")  # uvicorn answers 400 and logs a warning
+        assert (await reader.read()).startswith(b"HTTP/1.1 400")
+        writer.close()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    rest = (await proc.stderr.read()).decode()
+    assert (await proc.stdout.read()) == b""
+    lines = [first.decode(), *rest.splitlines(keepends=True)]
+    parsed = []
+    for text in lines:
+        assert text.endswith("\n")
+        obj = json.loads(text)  # one object per line, nothing else
+        assert isinstance(obj, dict), text
+        assert RFC3339.fullmatch(obj["ts"]), obj
+        assert obj["level"] in ("debug", "info", "warning", "error", "critical"), obj
+        assert isinstance(obj["logger"], str) and isinstance(obj["msg"], str), obj
+        parsed.append(obj)
+    loggers = {(p["logger"], p["level"]) for p in parsed}
+    assert ("streamfence.startup", "info") in loggers
+    assert ("streamfence", "warning") in loggers  # the registry being down
+    assert ("uvicorn.error", "warning") in loggers  # the malformed request
+    requests = [p for p in parsed if p["msg"] == "request"]
+    assert sorted(r["outcome"] for r in requests) == ["completed", "rejected", "upstream_error"]
+    for r in requests:  # request lines keep their own fields
+        assert {"method", "path", "status", "turn", "attempt", "duration_ms"} <= set(r)
