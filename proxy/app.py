@@ -26,7 +26,7 @@ from starlette.types import Receive as ASGIReceive
 from starlette.types import Scope
 from starlette.types import Send as ASGISend
 
-from proxy import dialects, logs, shutdown, status, turns
+from proxy import dialects, logs, shutdown, status, tracing, turns
 from proxy.config import Config
 from proxy.errors import BodyTooLarge, NoRoute, StreamfenceError, Unauthorized
 from proxy.join import JoinPlan, JoinRelay
@@ -69,6 +69,7 @@ class Runtime:
             up.name: StreamTable(up, budget) for up in config.upstream if up.on_retry != "supersede"
         }
         self.status = status.StatusBoard()
+        self.tracer = tracing.create(config.tracing)  # None unless tracing is on
 
     def begin(self, relay: Relay) -> None:
         self.active.add(relay)
@@ -99,6 +100,8 @@ class Runtime:
             logs.log_supersede(record, self.config.server.log_format)
         logs.log_request(record, self.config.server.log_format)
         self.status.finished(record)
+        if self.tracer is not None:
+            self.tracer.end(record)
 
 
 class ProxyEndpoint:
@@ -182,6 +185,8 @@ class ProxyEndpoint:
         out_headers = request_headers(headers, drop)
         if not any(n == REQUEST_ID_HEADER for n, _ in out_headers):
             out_headers.append((REQUEST_ID_HEADER, record.request_id.encode()))
+        if rt.tracer is not None:  # the request's span; upstream gets its traceparent
+            out_headers = rt.tracer.start(record, headers, out_headers)
         request = build_request(record.method, route.url, out_headers, body, up)
         exchange = Exchange(
             request=request,
@@ -264,6 +269,8 @@ def create_app(
             drain.uninstall()
             await runtime.client.aclose()
             await runtime.registry.close()
+            if runtime.tracer is not None:
+                runtime.tracer.shutdown()  # exports the spans still queued
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})

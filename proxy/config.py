@@ -66,6 +66,15 @@ class RegistryConfig:
 
 
 @dataclass(frozen=True)
+class TracingConfig:
+    # OpenTelemetry traces (proxy/tracing.py, the `streamfence[otel]` extra). "auto": on
+    # when the standard OTEL_* variables ask for it; "on" / "off" decide regardless.
+    enabled: str = "auto"
+    # The OTLP/HTTP traces endpoint; "" leaves it to OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT.
+    endpoint: str = ""
+
+
+@dataclass(frozen=True)
 class UpstreamConfig:
     url: str = ""
     name: str = "default"
@@ -89,6 +98,7 @@ class Config:
     turns: TurnsConfig = field(default_factory=TurnsConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     upstream: tuple[UpstreamConfig, ...] = ()
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -96,6 +106,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "server.http_transport": ("httpx", "fast"),
     "registry.backend": ("memory", "redis"),
     "registry.on_unavailable": ("fail_open", "fail_closed"),
+    "tracing.enabled": ("auto", "on", "off"),
     "upstream.dialect": ("auto", *DIALECTS),
     "upstream.on_retry": ("supersede", "join", "adaptive"),
 }
@@ -171,7 +182,7 @@ def _from_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
         if section == "upstream":
             index, _, key = rest.partition("_")
             dotted = f"upstream.{index}.{key}" if index.isdigit() else f"upstream.{rest}"
-        elif section in ("server", "turns", "registry"):
+        elif section in ("server", "turns", "registry", "tracing"):
             dotted = f"{section}.{rest}"
         else:
             continue
@@ -215,6 +226,7 @@ def from_dict(data: Mapping[str, Any]) -> Config:
     server = _build(ServerConfig, data.get("server", {}), "server", problems)
     turns = _build(TurnsConfig, data.get("turns", {}), "turns", problems)
     registry = _build(RegistryConfig, data.get("registry", {}), "registry", problems)
+    tracing = _build(TracingConfig, data.get("tracing", {}), "tracing", problems)
     raw_upstreams = data.get("upstream", [])
     if not isinstance(raw_upstreams, list):
         problems.append("upstream: must be an array of tables ([[upstream]])")
@@ -223,7 +235,9 @@ def from_dict(data: Mapping[str, Any]) -> Config:
         _build(UpstreamConfig, raw, f"upstream[{i}]", problems)
         for i, raw in enumerate(raw_upstreams)
     )
-    config = Config(server=server, turns=turns, registry=registry, upstream=upstreams)
+    config = Config(
+        server=server, turns=turns, registry=registry, upstream=upstreams, tracing=tracing
+    )
     problems += _check(config)
     if problems:
         raise ConfigError(problems)
@@ -319,6 +333,9 @@ def _check(config: Config) -> list[str]:
         "unix",
     ):
         problems.append("registry.url: must be a redis://, rediss:// or unix:// URL")
+    traces = urlsplit(config.tracing.endpoint)
+    if config.tracing.endpoint and (traces.scheme not in ("http", "https") or not traces.netloc):
+        problems.append("tracing.endpoint: must be an http:// or https:// URL")
     if not config.turns.header.strip():
         problems.append("turns.header: must not be empty")
     elif not _HEADER_NAME.fullmatch(config.turns.header):
@@ -359,4 +376,5 @@ def defaults_as_dict() -> dict[str, Any]:
         "turns": dataclasses.asdict(TurnsConfig()),
         "registry": dataclasses.asdict(RegistryConfig()),
         "upstream": dataclasses.asdict(UpstreamConfig()),
+        "tracing": dataclasses.asdict(TracingConfig()),
     }

@@ -18,6 +18,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 logger = logging.getLogger("streamfence")
 # Marks a record whose message is already a whole line in the configured format (the
@@ -51,6 +52,7 @@ class Record:
     finished_at: float | None = None
     superseded_by: int | None = None
     fence_latency: float | None = None  # newer claim -> old upstream closed, seconds
+    trace: Any = None  # the request's OpenTelemetry span while tracing is on (proxy/tracing.py)
 
     @property
     def duration(self) -> float:
@@ -72,7 +74,9 @@ class Record:
 
 # The raw clock readings are logged as the durations derived from them.
 _CLOCKS = {"started", "forwarded_at", "upstream_headers_at", "first_byte_at", "finished_at"}
-_LOGGED = tuple(f.name for f in fields(Record) if f.name not in _CLOCKS | {"fence_latency"})
+_LOGGED = tuple(
+    f.name for f in fields(Record) if f.name not in _CLOCKS | {"fence_latency", "trace"}
+)
 
 
 def _ms(seconds: float | None) -> float | None:

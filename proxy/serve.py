@@ -19,7 +19,7 @@ import signal
 import socket
 from typing import TYPE_CHECKING, Any
 
-from proxy import __version__, logs, shutdown
+from proxy import __version__, logs, shutdown, tracing
 from proxy.config import Config, from_dict
 
 if TYPE_CHECKING:
@@ -124,6 +124,11 @@ def serve(config: Config, log_level: str) -> int:
     import uvicorn  # noqa: PLC0415 - keep `--help` and check-config fast
 
     logs.configure(log_level, config.server.log_format)
+    try:
+        tracing.check(config.tracing)
+    except tracing.TracingUnavailable as exc:
+        log.error(str(exc))
+        return 2
     try:
         sock = bind(config.server.host, config.server.port)
     except BindError as exc:

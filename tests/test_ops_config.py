@@ -23,7 +23,7 @@ def test_example_has_every_setting_at_its_default() -> None:
     example = tomllib.loads(EXAMPLE.read_text())
     schema = defaults_as_dict()
     assert set(example) == set(schema)
-    for section in ("server", "turns", "registry"):
+    for section in ("server", "turns", "registry", "tracing"):
         assert set(example[section]) == set(schema[section]), section
         for key, default in schema[section].items():
             shown = example[section][key]
