@@ -68,7 +68,7 @@ class Runtime:
         self.join_tables = {
             up.name: StreamTable(up, budget) for up in config.upstream if up.on_retry != "supersede"
         }
-        self.status = status.StatusBoard()
+        self.status = status.StatusBoard(up.name for up in config.upstream)
         self.tracer = tracing.create(config.tracing)  # None unless tracing is on
 
     def begin(self, relay: Relay) -> None:
@@ -99,7 +99,7 @@ class Runtime:
         if record.outcome == "superseded":
             logs.log_supersede(record, self.config.server.log_format)
         logs.log_request(record, self.config.server.log_format)
-        self.status.finished(record)
+        self.status.finished(record, error)
         if self.tracer is not None:
             self.tracer.end(record)
 
