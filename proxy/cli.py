@@ -54,9 +54,19 @@ def _serve_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+TOP_EPILOG = """commands:
+  serve          run the proxy (the default: `streamfence --upstream URL` serves)
+  demo           see the fence live, with no network and no key
+  check-config   validate a config file
+  help           show help for a command
+
+Options of a command: streamfence COMMAND --help."""
+
+
 def build_parser() -> Parser:
     top = Parser(
         prog="streamfence",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         usage=(
             "\n  streamfence [serve] [--upstream URL | --config FILE] [options]"
             "\n  streamfence demo [--pace SECONDS] [--no-color]"
@@ -65,11 +75,10 @@ def build_parser() -> Parser:
         ),
         description="A local proxy that fences superseded LLM streaming attempts: "
         "one writer per turn.",
-        epilog="With no command, streamfence serves: `streamfence --upstream "
-        "https://api.openai.com`. Options of a command: streamfence COMMAND --help.",
+        epilog=TOP_EPILOG,
     )
     top.add_argument("--version", action="version", version=f"streamfence {__version__}")
-    sub = top.add_subparsers(title="commands", dest="command", metavar="COMMAND")
+    sub = top.add_subparsers(dest="command", help=argparse.SUPPRESS)  # listed in the epilog
     serve = sub.add_parser(
         "serve",
         prog="streamfence serve",
