@@ -27,7 +27,7 @@ from proxy import tracing
 from proxy.config import TracingConfig
 from tests.conftest import ProxyFactory
 from tests.sse_client import chat_body, events, open_stream
-from tests.upstream import ScriptedUpstream
+from tests.upstream import ScriptedUpstream, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/v1/chat/completions"
@@ -216,3 +216,18 @@ def test_on_without_the_sdk_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) 
         tracing.check(TracingConfig(), {"OTEL_TRACES_EXPORTER": "otlp"})
     assert "pip install 'streamfence[otel]'" in str(caught.value)
     assert "OTEL_TRACES_EXPORTER" in str(caught.value)
+
+
+async def test_an_upstream_failure_is_an_error_span(
+    make_proxy: ProxyFactory, collector: Collector
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    options = {"tracing.enabled": "on", "tracing.endpoint": collector.url}
+    async with make_proxy(dead, **options) as proxy, proxy.client() as client:
+        assert (await client.post(CHAT, json=chat_body("x"))).status_code == 502
+        await proxy.runtime.wait_idle()
+    (span,) = collector.spans
+    assert span["status"] == 2  # STATUS_CODE_ERROR
+    assert span["attrs"]["streamfence.outcome"] == "upstream_error"
+    assert span["attrs"]["streamfence.error"] == "upstream_unreachable"
+    assert span["attrs"]["http.response.status_code"] == 502
