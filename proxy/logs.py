@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field, fields
+from types import TracebackType
 from typing import Any
 
 logger = logging.getLogger("streamfence")
@@ -176,6 +178,15 @@ class TextFormatter(logging.Formatter):
         return text
 
 
+def _log_uncaught(
+    exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+) -> None:
+    if issubclass(exc_type, KeyboardInterrupt):
+        sys.__excepthook__(exc_type, exc, tb)
+        return
+    logger.critical("uncaught exception", exc_info=(exc_type, exc, tb))
+
+
 # uvicorn's own loggers: "uvicorn.error" (startup, protocol errors, exceptions in the app)
 # and "uvicorn.access" (off by default: the request line replaces it).
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi")
@@ -199,6 +210,13 @@ def configure(level: str, fmt: str) -> None:
         log.handlers.clear()
         log.propagate = True
         log.setLevel(uvicorn_level)
+    # Python's warnings and uncaught exceptions (main thread or any other) as log records
+    # too, so that in JSON mode not even a traceback breaks the one-object-per-line rule.
+    logging.captureWarnings(True)
+    sys.excepthook = _log_uncaught
+    threading.excepthook = lambda args: _log_uncaught(
+        args.exc_type, args.exc_value or args.exc_type(), args.exc_traceback
+    )
     # One log line per request is on the hot path: skip what no format shows, the
     # caller's frame, thread and process (the logging HOWTO's "Optimization" section).
     logging._srcfile = None

@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import AsyncExitStack
@@ -239,3 +240,31 @@ async def test_in_json_mode_every_line_the_process_writes_is_one_json_object(
     assert sorted(r["outcome"] for r in requests) == ["completed", "rejected", "upstream_error"]
     for r in requests:  # request lines keep their own fields
         assert {"method", "path", "status", "turn", "attempt", "duration_ms"} <= set(r)
+
+
+def test_python_warnings_and_uncaught_exceptions_are_json_lines_too() -> None:
+    code = (
+        "import threading, warnings\n"
+        "from proxy import logs\n"
+        "logs.configure('info', 'json')\n"
+        "warnings.warn('an old API', DeprecationWarning, stacklevel=1)\n"
+        "t = threading.Thread(target=lambda: 1 / 0)\n"
+        "t.start(); t.join()\n"
+        "raise RuntimeError('boom')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "always", "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+        check=False,
+    )
+    assert out.returncode == 1
+    lines = [json.loads(line) for line in out.stderr.splitlines()]  # nothing but JSON
+    warning, thread, main = lines
+    assert (warning["logger"], warning["level"]) == ("py.warnings", "warning")
+    assert "an old API" in warning["msg"]
+    assert thread["error"] == "ZeroDivisionError: division by zero"
+    assert (main["level"], main["error"]) == ("critical", "RuntimeError: boom")
+    assert "Traceback" in main["traceback"]
