@@ -37,9 +37,12 @@ class BindError(Exception):
 
 def bind(host: str, port: int) -> socket.socket:
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    # IPv6 only for an IPv6 address, as uvicorn does: "localhost" must not end up on ::1
+    # alone while clients dial 127.0.0.1.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            host, port, family, socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
     except socket.gaierror as exc:
         raise BindError(
