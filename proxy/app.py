@@ -28,13 +28,13 @@ from starlette.types import Receive as ASGIReceive
 from starlette.types import Scope
 from starlette.types import Send as ASGISend
 
-from proxy import dialects, egress, follow, logs, shutdown, status, turns
+from proxy import dialects, egress, follow, logs, shutdown, status, tracing, turns
 from proxy.config import Config, UpstreamConfig
 from proxy.errors import BodyTooLarge, NoRoute, StreamfenceError, Unauthorized
 from proxy.follow import Attempt, Decision, Generations, Policy
 from proxy.generation import Ask, Budget, Generation
 from proxy.logs import Record
-from proxy.metrics import Metrics
+from proxy.metrics import Metrics, scrape_authorized
 from proxy.registry import MemoryRegistry, Registry
 from proxy.relay import Exchange, Receive, Send, Subscriber, error_response_parts
 from proxy.routing import RESERVED_PREFIX, Router, request_headers
@@ -72,7 +72,8 @@ class Runtime:
         self._idle.set()
         self.budget = Budget(config.server.join_buffer_total_bytes)
         self.generations: Generations | None = None  # with the client, in the lifespan
-        self.status = status.StatusBoard()
+        self.status = status.StatusBoard(up.name for up in config.upstream)
+        self.tracer = tracing.create(config.tracing)  # None unless tracing is on
         self.policies = {
             up.name: Policy(up.on_retry, up.healthy_within, up.replay_fingerprints)
             for up in config.upstream
@@ -107,7 +108,9 @@ class Runtime:
         if record.outcome == "superseded":
             logs.log_supersede(record, self.config.server.log_format)
         logs.log_request(record, self.config.server.log_format)
-        self.status.finished(record)
+        self.status.finished(record, error)
+        if self.tracer is not None:
+            self.tracer.end(record)
 
 
 class ProxyEndpoint:
@@ -216,6 +219,8 @@ class ProxyEndpoint:
         out_headers = request_headers(headers, drop)
         if not any(n == REQUEST_ID_HEADER for n, _ in out_headers):
             out_headers.append((REQUEST_ID_HEADER, record.request_id.encode()))
+        if rt.tracer is not None:  # the request's span; upstream gets its traceparent
+            out_headers = rt.tracer.start(record, headers, out_headers)
         followable = keyed and up.on_retry != "supersede"
         ask = Ask(
             request=build_request(record.method, route.url, out_headers, body, up),
@@ -307,6 +312,8 @@ def create_app(
             drain.uninstall()
             await runtime.client.aclose()
             await runtime.registry.close()
+            if runtime.tracer is not None:
+                runtime.tracer.shutdown()  # exports the spans still queued
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -316,8 +323,10 @@ def create_app(
         return JSONResponse({"status": "ready" if ok else "not ready"}, 200 if ok else 503)
 
     async def metrics(request: Request) -> Response:
-        if not runtime.authorized(request.scope["headers"]):
-            return PlainTextResponse("access token required\n", 401)
+        if not scrape_authorized(request.headers, runtime.token):
+            return PlainTextResponse(
+                "access token required\n", 401, headers={"www-authenticate": "Bearer"}
+            )
         return Response(runtime.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def status_page(request: Request) -> Response:
