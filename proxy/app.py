@@ -105,7 +105,7 @@ class Runtime:
         record.cause = getattr(error, "cause", "")
         self.metrics.observe(record, kind)
         self.metrics.in_flight.dec()
-        if record.outcome == "superseded":
+        if record.fenced_generation:  # once per generation, not per follower
             logs.log_supersede(record, self.config.server.log_format)
         logs.log_request(record, self.config.server.log_format)
         self.status.finished(record, error)

@@ -58,6 +58,12 @@ class Record:
     trace: Any = None  # the request's OpenTelemetry span while tracing is on (proxy/tracing.py)
 
     @property
+    def fenced_generation(self) -> bool:
+        """This record is the supersede of a generation: its first client's (a follower's
+        is the same supersede again)."""
+        return self.outcome == "superseded" and self.source == "upstream"
+
+    @property
     def duration(self) -> float:
         return (self.finished_at or time.perf_counter()) - self.started
 

@@ -140,7 +140,7 @@ class Metrics:
             self.events.labels(up).inc(record.events)
         if record.dropped:
             self.dropped.labels(up).inc(record.dropped)
-        if record.outcome == "superseded":
+        if record.fenced_generation:
             self.supersedes.labels(up).inc()
         if record.fence_latency is not None:
             self.fence_latency.observe(record.fence_latency)

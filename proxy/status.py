@@ -39,6 +39,7 @@ TTFB_WINDOW = 50  # an upstream's "recent" time to first byte: its last this man
 # While streams are in flight their ages and event counts change continuously: a snapshot
 # this often keeps the page live without sending one per relayed event.
 REFRESH_SECONDS = 1.0
+FOLLOWER_SOURCES = frozenset({"followed", "resumed", "replayed"})
 # A comment line this often when nothing changes, so idle-timeout middleboxes (30-60 s is
 # common) keep the feed open, and a dead browser tab is noticed on the next write.
 PING_SECONDS = 15
@@ -131,7 +132,7 @@ class StatusBoard:
         if record.error:
             self.errors[record.error] += 1
         self._health(record, error)
-        if record.outcome == "superseded":
+        if record.fenced_generation:
             self.supersedes += 1
             latency = record.fence_latency
             self.recent.appendleft(
@@ -170,18 +171,27 @@ class StatusBoard:
     def snapshot(self, active: Iterable[_Relay]) -> dict[str, Any]:
         now = time.perf_counter()
         records = sorted((relay.record for relay in active), key=lambda r: r.started)
-        flights = [
-            {
-                "turn": r.turn,
-                "upstream": r.upstream,
-                "dialect": r.dialect,
-                "attempt": r.attempt,
-                "age_s": round(now - r.started, 1),
-                "events": r.events,
-            }
-            for r in records
-            if r.finished_at is None
-        ]
+        # One row per generation: its first client, and how many follow it.
+        rows: dict[object, dict[str, Any]] = {}
+        for r in records:
+            if r.finished_at is not None:
+                continue
+            group: object = (r.turn, r.attempt) if r.turn and r.source != "beside" else id(r)
+            row = rows.get(group)
+            if row is None:
+                rows[group] = row = {
+                    "turn": r.turn,
+                    "upstream": r.upstream,
+                    "dialect": r.dialect,
+                    "attempt": r.attempt,
+                    "age_s": round(now - r.started, 1),
+                    "events": r.events,
+                    "followers": 0,
+                }
+            if r.source in FOLLOWER_SOURCES:
+                row["followers"] += 1
+            row["events"] = max(row["events"], r.events)
+        flights = list(rows.values())
         return {
             "version": __version__,
             "uptime_s": round(time.time() - self.started_at),

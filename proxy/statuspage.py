@@ -82,6 +82,7 @@ function show(s) {
     cell(tr, f.upstream);
     cell(tr, f.dialect, "wide");
     cell(tr, f.attempt ? "#" + f.attempt : "-", "num");
+    cell(tr, f.followers, "num");
     cell(tr, f.age_s.toFixed(1) + " s", "num");
     cell(tr, f.events, "num");
   }, "nothing in flight");
@@ -197,7 +198,8 @@ PAGE = f"""<!doctype html>
 <h2>Turns in flight</h2>
 <div class="scroll"><table>
 <thead><tr><th>turn (hashed)</th><th>upstream</th><th class="wide">dialect</th>
-<th class="num">attempt</th><th class="num">age</th><th class="num">events relayed</th></tr>
+<th class="num">attempt</th><th class="num">followers</th><th class="num">age</th>
+<th class="num">events relayed</th></tr>
 </thead>
 <tbody id="inflight"></tbody>
 </table></div>

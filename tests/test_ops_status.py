@@ -114,13 +114,22 @@ async def test_feed_shows_turn_in_flight_then_its_supersede(
         flight = next(f for f in snap["in_flight"] if f["turn"] == turn)
         assert flight["upstream"] == "default"
         assert flight["dialect"] == "openai-chat"
-        assert flight["attempt"] == 1 and flight["age_s"] >= 0
+        assert flight["attempt"] == 1 and flight["age_s"] >= 0 and flight["followers"] == 0
+        twin = await open_stream(stack, client, CHAT, chat_body("q", gated=True), headers)
+        twin_events = events(twin)
+        await anext(twin_events)
+        snap = await _until(
+            feed, lambda s: any(f["turn"] == turn and f["followers"] == 1 for f in s["in_flight"])
+        )
+        assert len(snap["in_flight"]) == 1  # one generation, two clients
 
         b = await open_stream(stack, client, CHAT, chat_body("q", tokens=2), headers)
         b_events: list[Event] = [e async for e in events(b)]
         assert b_events[-1].data == "[DONE]"
         rest: list[Event] = [e async for e in a_events]
         assert rest[-1].json["error"]["code"] == "stream_superseded"
+        twin_rest: list[Event] = [e async for e in twin_events]
+        assert twin_rest[-1].json["error"]["code"] == "stream_superseded"
 
         snap = await _until(feed, lambda s: bool(s["recent"]) and not s["in_flight"])
         (recent,) = snap["recent"]
@@ -128,7 +137,7 @@ async def test_feed_shows_turn_in_flight_then_its_supersede(
         assert (recent["attempt"], recent["by_attempt"]) == (1, 2)
         assert 0 <= recent["fence_latency_ms"] < 50
         assert snap["totals"]["supersedes"] == 1
-        assert snap["totals"]["requests"] == 2
+        assert snap["totals"]["requests"] == 3  # the first, its follower, the revision
 
     text = "\n".join(raw_feed)
     assert secret not in text and "t-secret-turn" not in text
