@@ -105,7 +105,8 @@ class NodeWorker:
         try:
             msg = await asyncio.wait_for(future, 30)
         except TimeoutError:
-            raise AssertionError(f"{client} never answered; stderr: {''.join(self.stderr)}")
+            stderr = "".join(self.stderr)
+            raise AssertionError(f"{client} never answered; stderr: {stderr}") from None
         return Outcome(
             text=msg["text"] or "", error=msg["error"], message=msg["message"], status=msg["status"]
         )

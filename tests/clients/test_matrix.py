@@ -21,8 +21,8 @@ Scenarios (CONTRACT sections 2-4):
 from __future__ import annotations
 
 import asyncio
-import os
 import json
+import os
 from pathlib import Path
 
 import pytest
