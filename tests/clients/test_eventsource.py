@@ -58,7 +58,7 @@ window.openSource = (name, url) => {
   });
   window.sources[name] = { es, log };
 };
-window.closed = (name) => window.sources[name].es.readyState === EventSource.CLOSED;
+window.isClosed = (name) => window.sources[name].es.readyState === EventSource.CLOSED;
 window.logOf = (name) => window.sources[name].log;
 </script></body></html>
 """
@@ -75,7 +75,7 @@ def page_script() -> Script:
 
 async def until(page: Page, predicate: str) -> None:
     try:
-        await asyncio.wait_for(
+        got = await asyncio.wait_for(
             page.send(
                 "Runtime.evaluate", expression=f"until(() => {predicate})", awaitPromise=True
             ),
@@ -86,6 +86,7 @@ async def until(page: Page, predicate: str) -> None:
             "JSON.stringify(window.sources, (k, v) => k === 'es' ? v.readyState : v)"
         )
         raise AssertionError(f"the page never saw {predicate!r}; it saw {logs}") from None
+    assert "exceptionDetails" not in got, got["exceptionDetails"]
 
 
 async def log_of(page: Page, name: str) -> dict[str, Any]:
@@ -94,8 +95,54 @@ async def log_of(page: Page, name: str) -> dict[str, Any]:
     return parsed
 
 
+class Cuttable:
+    """A TCP relay on loopback in front of the proxy whose connections a test can cut, as a
+    network drop would: the browser then reconnects by itself."""
+
+    def __init__(self, target: str) -> None:
+        self.target_port = int(target.rsplit(":", 1)[1])
+        self.links: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
+        self.url = ""
+
+    async def _link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        link = (writer, up_writer)
+        self.links.add(link)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            finally:
+                dst.close()
+
+        try:
+            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        except OSError:
+            pass  # cut
+        finally:
+            self.links.discard(link)
+
+    def cut(self) -> None:
+        for down, up in list(self.links):
+            down.transport.abort()
+            up.transport.abort()
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[Cuttable]:
+        server = await asyncio.start_server(self._link, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        try:
+            yield self
+        finally:
+            server.close()
+            self.cut()
+            await server.wait_closed()
+
+
 @asynccontextmanager
-async def browser_on(proxy: Proxy, tmp: Path) -> AsyncIterator[Page]:
+async def browser_on(proxy: Proxy | Cuttable, tmp: Path) -> AsyncIterator[Page]:
     async with chromium(tmp / "profile") as page:
         await page.send("Page.navigate", url=f"{proxy.url}/page")
         loaded = """new Promise((resolve) => {
@@ -131,7 +178,7 @@ async def test_twin_event_sources_share_one_stream_and_stop_at_its_end(
         await asyncio.wait_for(upstream.wait_requests(2), 10)
         await asyncio.sleep(0.05)  # the scenario: the twin 50 ms later
         await page.text(f"openSource('b', {json.dumps(url)})")
-        await until(page, "closed('a') && closed('b')")
+        await until(page, "isClosed('a') && isClosed('b')")
         a, b = await log_of(page, "a"), await log_of(page, "b")
     expected = [f"e{i}" for i in range(6)]
     assert [m["data"] for m in a["messages"]] == expected
@@ -167,7 +214,7 @@ async def test_fenced_event_source_reconnects_into_the_winner(
         await until(page, "logOf('a').messages.length === 1")
         await asyncio.sleep(HEALTHY_WITHIN + 0.2)  # the stall itself
         await page.text(f"openSource('b', {json.dumps(url)})")
-        await until(page, "closed('a') && closed('b')")
+        await until(page, "isClosed('a') && isClosed('b')")
         a, b = await log_of(page, "a"), await log_of(page, "b")
         for seen in upstream.seen:
             seen.release(100)
@@ -178,3 +225,37 @@ async def test_fenced_event_source_reconnects_into_the_winner(
     assert len(told) == 1 and SUPERSEDED in told[0], a["errors"]
     assert all(e["data"] is None for e in b["errors"])
     assert len(stream_requests(upstream)) == 2
+
+
+async def test_dropped_event_source_resumes_after_its_last_event_id(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory, tmp_path: Path
+) -> None:
+    """The tab's connection drops mid-stream while the generation runs on (another client
+    of the same turn holds it): the browser reconnects with Last-Event-ID and gets exactly
+    the events after it, then stops at the end. One upstream request."""
+    upstream.queue.extend(
+        [page_script(), Script(stream=True, raw=sse(*(f"e{i}" for i in range(6))), gated=True)]
+    )
+    url = f"{EVENTS}?streamfence_turn=tab-turn"
+    async with (
+        make_proxy(upstream.url, **{"upstream.healthy_within": 30}) as proxy,
+        Cuttable(proxy.url).running() as relay,
+        browser_on(relay, tmp_path) as page,
+        proxy.client() as other,
+        other.stream("GET", url) as held,  # another client, direct: it starts the stream
+    ):
+        assert held.headers["x-streamfence-source"] == "upstream"
+        await page.text(f"openSource('a', {json.dumps(url)})")
+        await until(page, "logOf('a').messages.length === 1")
+        (stream,) = stream_requests(upstream)  # the tab follows the other client's stream
+        stream.release(2)
+        await until(page, "logOf('a').messages.length === 3")
+        relay.cut()
+        await until(page, "logOf('a').opens === 2")  # reconnected by itself
+        stream.release(3)
+        await until(page, "isClosed('a')")  # at the end: 204, stop reconnecting
+        a = await log_of(page, "a")
+        other_text = (await held.aread()).decode()
+    assert [m["data"] for m in a["messages"]] == [f"e{i}" for i in range(6)]  # no duplicate
+    assert len(stream_requests(upstream)) == 1
+    assert all(f"data: e{i}" in other_text for i in range(6))
