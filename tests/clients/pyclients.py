@@ -250,18 +250,21 @@ async def langchain_openai(call: Call) -> Outcome:
         api_key=API_KEY,  # type: ignore[arg-type]
         default_headers=_headers(call),
     )
-    if not call.stream:
+    try:
+        if not call.stream:
 
-        async def whole() -> str:
-            return str((await chat.ainvoke(call.prompt)).content)
+            async def whole() -> str:
+                return str((await chat.ainvoke(call.prompt)).content)
 
-        return await _whole(call, whole())
+            return await _whole(call, whole())
 
-    async def pieces() -> AsyncIterator[str]:
-        async for chunk in chat.astream(call.prompt):
-            yield str(chunk.content)
+        async def pieces() -> AsyncIterator[str]:
+            async for chunk in chat.astream(call.prompt):
+                yield str(chunk.content)
 
-    return await _collect(call, pieces())
+        return await _collect(call, pieces())
+    finally:
+        await chat.root_async_client.close()  # langchain never closes the client it made
 
 
 PYTHON_CLIENTS: dict[str, Adapter] = {
