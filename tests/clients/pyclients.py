@@ -264,7 +264,20 @@ async def langchain_openai(call: Call) -> Outcome:
 
         return await _collect(call, pieces())
     finally:
-        await chat.root_async_client.close()  # langchain never closes the client it made
+        _langchain_made.append(chat.root_async_client)
+
+
+# langchain-openai shares one HTTP client per base URL (an lru_cache) and never closes it:
+# twins share it, so it is closed after the test, not after a call.
+_langchain_made: list[Any] = []
+
+
+async def langchain_cleanup() -> None:
+    from langchain_openai.chat_models import _client_utils
+
+    while _langchain_made:
+        await _langchain_made.pop().close()
+    _client_utils._cached_async_httpx_client.cache_clear()
 
 
 PYTHON_CLIENTS: dict[str, Adapter] = {
@@ -280,6 +293,7 @@ PYTHON_CLIENTS: dict[str, Adapter] = {
 CLEANUP: dict[str, Callable[[], Awaitable[None]]] = {
     "py-litellm": litellm_cleanup,
     "py-litellm-router": litellm_cleanup,
+    "py-langchain-openai": langchain_cleanup,
 }
 
 # litellm looks for a model cost map online at import unless told to use its local copy.
