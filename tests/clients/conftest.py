@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,8 @@ ALL_CLIENTS = (*PYTHON_CLIENTS, *NODE_CLIENTS)
 def node_worker() -> Iterator[NodeWorker]:
     reason = node_missing()
     if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the Node clients cannot run: {reason}")
         pytest.skip(reason)
     worker = NodeWorker()
     yield worker

@@ -32,7 +32,8 @@ NODE_CLIENTS = (
 
 
 def node_missing() -> str | None:
-    """Why the Node clients cannot run here, or None."""
+    """Why the Node clients cannot run here, or None. (CI fails instead of skipping: a
+    missing `npm ci` must not pass as green.)"""
     if NODE is None:
         return "node is not installed"
     if not (NODE_DIR / "node_modules").is_dir():
