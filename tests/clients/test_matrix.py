@@ -96,6 +96,13 @@ def assert_superseded(outcome: Outcome, raised: str | None) -> None:
     assert outcome.error == raised, outcome
 
 
+def winner_script(world: World) -> Script:
+    """The winner of a 409: for a client that retries it, streaming for ~3 s, longer than
+    its retry delay (the Vercel AI SDK waits 2 s), so that the retry meets it running."""
+    retries = ON_CONFLICT[world.client] is None
+    return Script(tokens=10, delay=0.3 if retries else 0.02, prefix="W")
+
+
 async def first(call_first: asyncio.Event) -> None:
     await asyncio.wait_for(call_first.wait(), 10)
 
@@ -147,9 +154,7 @@ async def test_identical_twins_50ms_apart_share_one_upstream_request(world: Worl
 @clients
 async def test_loser_reflex_retry_never_cuts_the_winner(world: World) -> None:
     up = world.upstream
-    # The winner streams for ~3 s: longer than any default retry delay of these clients
-    # (the Vercel AI SDK waits 2 s), so that a retry meets it still running.
-    up.queue.extend([Script(hold_headers=True), Script(tokens=10, delay=0.3, prefix="W")])
+    up.queue.extend([Script(hold_headers=True), winner_script(world)])
     a_task = world.start(world.call())
     await asyncio.wait_for(up.wait_requests(1), 10)
     await asyncio.sleep(HEALTHY_WITHIN + 0.2)  # attempt 1 stalls before its headers
@@ -224,7 +229,7 @@ async def test_stale_retry_under_the_same_turn_id_never_cuts_the_edited_answer(
     question under the same X-Turn-Id supersedes it (409). A client that retries by default
     re-sends the FIRST question: that stale retry must not cut the edited answer."""
     up = world.upstream
-    up.queue.extend([Script(hold_headers=True), Script(tokens=10, delay=0.3, prefix="W")])
+    up.queue.extend([Script(hold_headers=True), winner_script(world)])
     a_task = world.start(world.call(turn="turn-9", prompt="first question"))
     await asyncio.wait_for(up.wait_requests(1), 10)
     winner = await world.run(world.call(turn="turn-9", prompt="edited question"))
