@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import socket
 import time
@@ -42,6 +43,9 @@ class Script:
     raw: list[str] | None = None  # exact SSE text to send instead of generated events
     raw_bytes: list[bytes] | None = None
     prefix: str = ""  # token prefix, so two attempts' texts are told apart
+    # Prefix the tokens with this request's number as well ("g<n>:"): identical requests
+    # that reach the upstream (new generations of one turn) still answer apart.
+    unique: bool = False
     headers: dict[str, str] = field(default_factory=dict)  # extra response headers
     body: str | None = None  # a whole (non-SSE) body to send instead of the generated JSON
     content_type: str = "application/json"  # of `body`
@@ -125,6 +129,8 @@ class ScriptedUpstream:
         script = (Script.from_body(parsed) if isinstance(parsed, dict) else None) or (
             self.queue.popleft() if self.queue else self.default
         )
+        if script.unique:
+            script = dataclasses.replace(script, prefix=f"{script.prefix}g{len(self.seen)}:")
         seen = Seen(
             method=scope["method"],
             path=scope["path"],
