@@ -1,7 +1,9 @@
 """A scripted upstream provider: a real HTTP server on 127.0.0.1, port 0.
 
 Each request's behaviour comes from a `Script`: by default from the JSON body's "script"
-object (clients pass it with `extra_body`), else from `ScriptedUpstream.default`. Every
+object (clients pass it with `extra_body`), else from `ScriptedUpstream.choose` (for clients
+that cannot add a field, such as agents started as processes), else from
+`ScriptedUpstream.default`. Every
 request is recorded as a `Seen`, with events a test can wait on: `gate` holds the stream
 between events until the test releases it, and `closed` is set the moment the server sees
 its client (the proxy) go away, with `events_sent` telling how far it got.
@@ -13,7 +15,7 @@ import asyncio
 import json
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +88,8 @@ class Seen:
 class ScriptedUpstream:
     def __init__(self) -> None:
         self.default = Script()
+        # (path, parsed body) -> Script, or None for the default
+        self.choose: Callable[[str, Any], Script | None] | None = None
         self.seen: list[Seen] = []
         self.arrived = asyncio.Event()
         self.url = ""
@@ -112,7 +116,10 @@ class ScriptedUpstream:
             parsed = json.loads(body) if body else {}
         except ValueError:
             parsed = {}
-        script = (Script.from_body(parsed) if isinstance(parsed, dict) else None) or self.default
+        script = Script.from_body(parsed) if isinstance(parsed, dict) else None
+        if script is None and self.choose is not None:
+            script = self.choose(scope["path"], parsed)
+        script = script or self.default
         seen = Seen(
             method=scope["method"],
             path=scope["path"],

@@ -1,0 +1,197 @@
+"""Claude Code (`claude -p ... --output-format json`, the npm package's native binary)
+through the proxy, against the scripted upstream speaking Anthropic Messages.
+
+What it does, learned by running it here (docs/agents.md has the rest): one streaming
+POST /v1/messages?beta=true per turn with `-p` and nonessential traffic off; its own stall
+timeout (CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS, at least 10 s) ends the stream and re-sends the
+body at once without streaming, and so does a mid-stream error event. That re-send caps
+max_tokens (128000 -> 64000), so its fingerprint is another turn's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.agents.harness import (
+    FAKE_KEY,
+    ClaudeHome,
+    claude_result,
+    is_claude_turn,
+    metric,
+    same_turn,
+    streaming,
+    until,
+    wait_for,
+)
+from tests.conftest import ProxyFactory
+from tests.upstream import Script, ScriptedUpstream, Seen
+
+pytestmark = pytest.mark.agents
+
+WORDS = ["Scripted ", "answer ", "from ", "the ", "upstream."]
+TEXT = "".join(WORDS)
+
+
+def _tokens(tag: str) -> list[str]:
+    return [f"{tag}-{w}" for w in WORDS]
+
+
+async def test_a_turn_completes_with_the_scripted_text(
+    tmp_path: Path, upstream: ScriptedUpstream, make_proxy: ProxyFactory
+) -> None:
+    upstream.choose = lambda path, body: Script(tokens=WORDS)
+    async with make_proxy(upstream.url) as proxy:
+        done = await ClaudeHome(tmp_path, proxy.url).agent("Say hello").run()
+    result = claude_result(done)
+    assert done.returncode == 0, done
+    assert result["is_error"] is False and result["result"] == TEXT
+    turns = [s for s in upstream.seen if is_claude_turn(s)]
+    assert len(turns) == 1 and streaming(turns[0])
+    assert turns[0].headers["x-api-key"] == FAKE_KEY
+    assert turns[0].events_sent == len(WORDS) + 5  # the whole stream went out
+
+
+async def test_its_own_stall_retry_replaces_the_stalled_generation(
+    tmp_path: Path, upstream: ScriptedUpstream, make_proxy: ProxyFactory
+) -> None:
+    # The first stream stalls after its first event, past healthy_within (1 s) and up to
+    # Claude Code's own byte-idle timeout (10 s, its minimum); Claude then re-sends the same
+    # body without streaming, and that second generation answers.
+    def choose(path: str, body: Any) -> Script:
+        if body.get("stream"):
+            return Script(tokens=_tokens("first"), gated=True)
+        return Script(tokens=_tokens("second"))
+
+    upstream.choose = choose
+    home = ClaudeHome(tmp_path, "", CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS="10000")
+    async with make_proxy(upstream.url, **{"upstream.healthy_within": 1.0}) as proxy:
+        home.env["ANTHROPIC_BASE_URL"] = proxy.url
+        done = await home.agent("Say hello").run()
+    result = claude_result(done)
+    assert done.returncode == 0, done
+    assert result["is_error"] is False
+    assert result["result"] == "".join(_tokens("second"))  # whole, nothing of the first
+    first = next(s for s in upstream.seen if is_claude_turn(s))
+    assert same_turn(upstream.seen, first) == [first]
+    assert [streaming(s) for s in _fallbacks(upstream, first)] == [False]
+    assert first.closed.is_set() and first.events_sent == 1
+
+
+async def test_identical_twins_share_one_upstream_request(
+    tmp_path: Path, upstream: ScriptedUpstream, make_proxy: ProxyFactory
+) -> None:
+    # Two Claude Code processes with one home and session send byte-identical bodies (as
+    # its parallel subagents do). The first stream is held until the second request has
+    # reached the proxy; both must then get the whole answer from one upstream request.
+    upstream.choose = lambda path, body: Script(tokens=WORDS, gated=True)
+    home = ClaudeHome(tmp_path, "")
+    async with make_proxy(upstream.url) as proxy:
+        home.env["ANTHROPIC_BASE_URL"] = proxy.url
+        a = await home.agent("Say hello").start()
+        await asyncio.sleep(0.05)  # the scenario: the twin starts 50 ms later
+        b = await home.agent("Say hello").start()
+        first = await wait_for(upstream, is_claude_turn)
+
+        async def second_arrived() -> bool:
+            follows = await metric(proxy.url, "streamfence_follows_total")
+            return follows >= 1 or len(same_turn(upstream.seen, first)) >= 2
+
+        await until(second_arrived, 30, "the twin's request reached the proxy")
+        for s in same_turn(upstream.seen, first):
+            s.release(100)
+        done_a, done_b = await a.finish(), await b.finish()
+    for done in (done_a, done_b):
+        result = claude_result(done)
+        assert done.returncode == 0, done
+        assert result["is_error"] is False and result["result"] == TEXT
+    assert len(same_turn(upstream.seen, first)) == 1
+
+
+async def test_the_fenced_agents_reflex_retry_does_not_cut_the_winner(
+    tmp_path: Path, upstream: ScriptedUpstream, make_proxy: ProxyFactory
+) -> None:
+    # Claude Code's stream stalls past healthy_within; the identical request arrives again
+    # (another client with the same credential) and supersedes it. Claude Code answers the
+    # superseded frame by re-sending the body without streaming: that must neither fence
+    # the winner nor be fenced by it.
+    order: list[str] = []
+
+    def choose(path: str, body: Any) -> Script:
+        if not body.get("stream"):
+            order.append("json")
+            return Script(tokens=_tokens("json"))
+        order.append("stream")
+        if order.count("stream") == 1:
+            return Script(tokens=_tokens("stalled"), gated=True)
+        return Script(tokens=_tokens("winner"), gated=True)
+
+    upstream.choose = choose
+    healthy = 2.0
+    home = ClaudeHome(tmp_path, "")
+    async with make_proxy(upstream.url, **{"upstream.healthy_within": healthy}) as proxy:
+        home.env["ANTHROPIC_BASE_URL"] = proxy.url
+        agent = await home.agent("Say hello").start()
+        first = await wait_for(upstream, is_claude_turn)
+        await first.wait_sent(1)
+        first.release(2)  # message_start, content_block_start, one delta: mid-answer
+        await first.wait_sent(3)
+        await asyncio.sleep(healthy + 0.5)  # the condition under test: stalled that long
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as client:
+            headers = {
+                "x-api-key": FAKE_KEY,
+                "content-type": "application/json",
+                "anthropic-version": "2023-06-01",
+            }
+            url = f"{first.path}?{first.query}" if first.query else first.path
+            async with client.stream("POST", url, content=first.body, headers=headers) as won:
+                assert won.status_code == 200
+                await wait_for(
+                    upstream, lambda s: s is not first and is_claude_turn(s) and streaming(s)
+                )
+
+                async def claude_reacted() -> bool:
+                    follows = await metric(proxy.url, "streamfence_follows_total")
+                    return follows >= 1 or len(upstream.seen) >= 3 or agent.exited
+
+                # Whatever Claude Code does next happens while the winner is mid-stream.
+                await until(claude_reacted, 30, "Claude Code's reaction to the fence")
+                for s in upstream.seen:  # the winner, and any further attempt
+                    s.release(100)
+                body = (await won.aread()).decode()
+        done = await agent.finish()
+    result = claude_result(done)
+    assert _anthropic_text(body) == ("".join(_tokens("winner")), True)  # the winner, whole
+    assert [streaming(s) for s in same_turn(upstream.seen, first)] == [True, True]
+    # Claude Code's own fallback went upstream beside the winner and answered it.
+    assert [streaming(s) for s in _fallbacks(upstream, first)] == [False]
+    assert order == ["stream", "stream", "json"]
+    assert done.returncode == 0, done
+    assert result["is_error"] is False
+    assert result["result"] == "".join(_tokens("json"))
+
+
+def _fallbacks(upstream: ScriptedUpstream, first: Seen) -> list[Seen]:
+    """Claude Code's non-streaming re-sends of `first`: the same body but for "stream" and
+    "max_tokens" (it caps max_tokens at 64000 without streaming: another fingerprint)."""
+    like = same_turn(upstream.seen, first, ignore=("stream", "max_tokens"))
+    return [s for s in like if s.body != first.body and not streaming(s)]
+
+
+def _anthropic_text(sse: str) -> tuple[str, bool]:
+    """The text of an Anthropic Messages SSE body, and whether it reached message_stop."""
+    text, stopped = "", False
+    for block in sse.split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith("data: "):
+                data = json.loads(line[6:])
+                if data.get("type") == "content_block_delta":
+                    text += data["delta"].get("text", "")
+                if data.get("type") == "message_stop":
+                    stopped = True
+    return text, stopped

@@ -1,0 +1,171 @@
+"""Codex CLI (`codex exec --skip-git-repo-check --json`, the npm package's native binary)
+with a custom model provider at the proxy (`wire_api = "responses"`), against the scripted
+upstream speaking the Responses API.
+
+What it does, learned by running it here (docs/agents.md has the rest): one streaming POST
+/v1/responses per turn; a stream that goes quiet for `stream_idle_timeout_ms`, or that ends
+before response.completed (the proxy's superseded frame included: Codex does not read the
+error event), it closes and re-sends ~200 ms later, up to `stream_max_retries` times, with
+the same body (same JSON, keys possibly in another order). Two Codex processes never send
+identical bodies: each carries its own session, turn and message ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.agents.harness import (
+    FAKE_KEY,
+    CodexHome,
+    codex_outcome,
+    codex_script,
+    is_codex_turn,
+    metric,
+    same_turn,
+    until,
+    wait_for,
+)
+from tests.conftest import ProxyFactory
+from tests.upstream import ScriptedUpstream
+
+pytestmark = pytest.mark.agents
+
+WORDS = ["Scripted ", "answer ", "from ", "the ", "upstream."]
+TEXT = "".join(WORDS)
+
+
+def _tokens(tag: str) -> list[str]:
+    return [f"{tag}-{w}" for w in WORDS]
+
+
+async def test_a_turn_completes_with_the_scripted_text(
+    tmp_path: Path, upstream: ScriptedUpstream, make_proxy: ProxyFactory
+) -> None:
+    upstream.choose = lambda path, body: codex_script(WORDS)
+    async with make_proxy(upstream.url) as proxy:
+        done = await CodexHome(tmp_path, proxy.url).agent("Say hello").run()
+    outcome = codex_outcome(done)
+    assert done.returncode == 0, done
+    assert outcome.text == TEXT and outcome.completed and outcome.errors == []
+    turns = [s for s in upstream.seen if is_codex_turn(s)]
+    assert len(turns) == 1 and turns[0].json["stream"] is True
+    assert turns[0].headers["authorization"] == f"Bearer {FAKE_KEY}"
+    assert turns[0].events_sent == len(WORDS) + 4  # the whole stream went out
+
+
+async def test_its_own_stall_retry_replaces_the_stalled_generation(
+    tmp_path: Path, upstream: ScriptedUpstream, make_proxy: ProxyFactory
+) -> None:
+    # The first stream stalls after response.created, past healthy_within (1 s) and up to
+    # Codex's stream_idle_timeout_ms (2 s); Codex re-sends the same body, and that second
+    # generation must answer whole.
+    attempts: list[str] = []
+
+    def choose(path: str, body: Any) -> Any:
+        attempts.append(path)
+        if len(attempts) == 1:
+            return codex_script(_tokens("first"), gated=True)
+        return codex_script(_tokens("second"))
+
+    upstream.choose = choose
+    async with make_proxy(upstream.url, **{"upstream.healthy_within": 1.0}) as proxy:
+        home = CodexHome(tmp_path, proxy.url, stream_idle_timeout_ms=2000, stream_max_retries=2)
+        done = await home.agent("Say hello").run()
+    outcome = codex_outcome(done)
+    assert done.returncode == 0, done
+    assert outcome.text == "".join(_tokens("second")) and outcome.completed
+    assert len(outcome.errors) == 1 and outcome.errors[0].startswith("Reconnecting... 1/2")
+    assert "idle timeout" in outcome.errors[0]
+    first = next(s for s in upstream.seen if is_codex_turn(s))
+    assert len(same_turn(upstream.seen, first)) == 2  # 2 upstream generations
+    assert first.closed.is_set() and first.events_sent == 1
+
+
+async def test_two_sessions_at_once_both_complete(
+    tmp_path: Path, upstream: ScriptedUpstream, make_proxy: ProxyFactory
+) -> None:
+    # Two Codex sessions asking the same question 50 ms apart. Their bodies differ (session,
+    # turn and message ids), so neither can be served from the other: each must get its own
+    # whole answer, and neither may be fenced. Both streams are held until both requests
+    # are upstream, so that the two are in flight together.
+    tags = iter(["one", "two"])
+    upstream.choose = lambda path, body: codex_script(_tokens(next(tags)), gated=True)
+    async with make_proxy(upstream.url) as proxy:
+        a = await CodexHome(tmp_path / "a", proxy.url).agent("Say hello").start()
+        await asyncio.sleep(0.05)  # the scenario: the twin starts 50 ms later
+        b = await CodexHome(tmp_path / "b", proxy.url).agent("Say hello").start()
+        seen = await asyncio.wait_for(upstream.wait_requests(2), 30)
+        for s in seen:
+            s.release(100)
+        done_a, done_b = await a.finish(), await b.finish()
+    texts = set()
+    for done in (done_a, done_b):
+        outcome = codex_outcome(done)
+        assert done.returncode == 0, done
+        assert outcome.completed and outcome.errors == []
+        texts.add(outcome.text)
+    assert texts == {"".join(_tokens("one")), "".join(_tokens("two"))}
+    assert len([s for s in upstream.seen if is_codex_turn(s)]) == 2
+    assert not any(s.closed.is_set() for s in upstream.seen)
+
+
+async def test_the_fenced_agents_reflex_retry_does_not_cut_the_winner(
+    tmp_path: Path, upstream: ScriptedUpstream, make_proxy: ProxyFactory
+) -> None:
+    # Codex's stream stalls past healthy_within; the identical request arrives again
+    # (another client with the same credential) and supersedes it. Codex, with its default
+    # retry settings, answers the superseded frame by re-sending the same body: that retry
+    # must follow the winner, not fence it.
+    tags = iter(["stalled", "winner", "third", "fourth", "fifth", "sixth"])
+    upstream.choose = lambda path, body: codex_script(_tokens(next(tags)), gated=True)
+    healthy = 2.0
+    async with make_proxy(upstream.url, **{"upstream.healthy_within": healthy}) as proxy:
+        agent = await CodexHome(tmp_path, proxy.url).agent("Say hello").start()
+        first = await wait_for(upstream, is_codex_turn)
+        await first.wait_sent(1)
+        first.release(2)  # response.created, output_item.added, one delta: mid-answer
+        await first.wait_sent(3)
+        await asyncio.sleep(healthy + 0.5)  # the condition under test: stalled that long
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as client:
+            headers = {"authorization": f"Bearer {FAKE_KEY}", "content-type": "application/json"}
+            async with client.stream(
+                "POST", first.path, content=first.body, headers=headers
+            ) as won:
+                assert won.status_code == 200
+                await wait_for(upstream, lambda s: s is not first and is_codex_turn(s))
+
+                async def codex_reacted() -> bool:
+                    follows = await metric(proxy.url, "streamfence_follows_total")
+                    return follows >= 1 or len(upstream.seen) >= 3 or agent.exited
+
+                # Whatever Codex does next happens while the winner is mid-stream.
+                await until(codex_reacted, 30, "Codex's reaction to the fence")
+                for s in upstream.seen:  # the winner, and any further attempt
+                    s.release(100)
+                body = (await won.aread()).decode()
+        done = await agent.finish()
+    outcome = codex_outcome(done)
+    assert _responses_text(body) == ("".join(_tokens("winner")), True)  # the winner, whole
+    assert len(same_turn(upstream.seen, first)) == 2  # 2 generations, no third
+    assert done.returncode == 0, done
+    assert outcome.completed and outcome.text == "".join(_tokens("winner"))
+    assert len(outcome.errors) == 1 and outcome.errors[0].startswith("Reconnecting... 1/5")
+
+
+def _responses_text(sse: str) -> tuple[str, bool]:
+    """The text deltas of a Responses SSE body, and whether it reached response.completed."""
+    text, completed = "", False
+    for block in sse.split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith("data: "):
+                data = json.loads(line[6:])
+                if data.get("type") == "response.output_text.delta":
+                    text += data["delta"]
+                completed = completed or data.get("type") == "response.completed"
+    return text, completed
