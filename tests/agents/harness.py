@@ -13,17 +13,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import tomllib
 import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from proxy.app import create_app
+from proxy.config import load
 from tests.agents import claude_binary, codex_binary
-from tests.upstream import Script, ScriptedUpstream, Seen
+from tests.upstream import Script, ScriptedUpstream, Seen, serve
 
 FAKE_KEY = "sk-streamfence-agent-test"
 RUN_TIMEOUT = 60.0  # seconds for one agent process, whatever it does
@@ -60,6 +61,11 @@ class Agent:
     @property
     def exited(self) -> bool:
         return self._proc is not None and self._proc.returncode is not None
+
+    async def exit(self) -> None:
+        """Until the process has exited (its output stays unread until finish())."""
+        assert self._proc is not None, "start() first"
+        await self._proc.wait()
 
     async def finish(self, limit: float = RUN_TIMEOUT) -> Finished:
         proc = self._proc
@@ -306,21 +312,87 @@ async def wait_for(upstream: ScriptedUpstream, pred: Any, limit: float = 30.0) -
     return await asyncio.wait_for(find(), limit)
 
 
-_SAMPLE = re.compile(r"^(streamfence_[a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)$", re.M)
+@dataclass
+class Exchange:
+    """One request the proxy received from a client, as its ASGI app saw it."""
+
+    path: str
+    body: bytes = b""  # as far as the proxy has read it
+    headers: dict[str, str] | None = None  # the response's, once it started
 
 
-async def metric(proxy_url: str, name: str) -> float:
-    """The sum of a counter over its labels, read from the proxy's metrics endpoint."""
-    async with httpx.AsyncClient(timeout=5) as client:
-        text = (await client.get(f"{proxy_url}/_streamfence/metrics")).text
-    return sum(float(v) for n, _labels, v in _SAMPLE.findall(text) if n == name)
+class Watched:
+    """The proxy's ASGI app, wrapped to record when each client request's response starts:
+    by then the proxy has decided what the request is (a new generation, a follower, ...),
+    which a test can wait on instead of timing. Its own /_streamfence/ paths are left out."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.exchanges: list[Exchange] = []
+        self._changed = asyncio.Event()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"].startswith("/_streamfence/"):
+            await self.app(scope, receive, send)
+            return
+        exchange = Exchange(scope["path"])
+        self.exchanges.append(exchange)
+
+        async def watched_receive() -> dict[str, Any]:
+            message: dict[str, Any] = await receive()
+            if message["type"] == "http.request":
+                exchange.body += message.get("body", b"")
+            return message
+
+        async def watched_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                exchange.headers = {k.decode().lower(): v.decode() for k, v in message["headers"]}
+                self._changed.set()
+            await send(message)
+
+        await self.app(scope, watched_receive, watched_send)
+
+    def started(self) -> list[Exchange]:
+        return [e for e in self.exchanges if e.headers is not None]
+
+    async def wait_started(self, n: int) -> list[Exchange]:
+        """Until the responses of at least n client requests have started."""
+        while len(self.started()) < n:
+            self._changed.clear()
+            await self._changed.wait()
+        return self.started()
+
+    def sources(self) -> list[str]:
+        """x-streamfence-source of each started response, in order of arrival."""
+        return [(e.headers or {}).get("x-streamfence-source", "?") for e in self.started()]
 
 
-async def until(check: Any, limit: float, what: str) -> None:
-    """Poll an outside observable (a metric) every 20 ms until it holds, or fail."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit
-    while not await check():
-        if loop.time() > deadline:
-            raise AssertionError(f"not within {limit} s: {what}")
-        await asyncio.sleep(0.02)
+@dataclass
+class AgentProxy:
+    url: str
+    watched: Watched
+
+
+@asynccontextmanager
+async def agent_proxy(upstream_url: str, **overrides: Any) -> AsyncIterator[AgentProxy]:
+    """The proxy under real uvicorn on 127.0.0.1:0 (as tests/conftest.py's make_proxy),
+    its app wrapped in `Watched`."""
+    app = Watched(create_app(load(env={}, overrides={"upstream.url": upstream_url, **overrides})))
+    async with serve(app) as (url, _server):
+        yield AgentProxy(url, app)
+
+
+async def first_of(limit: float, what: str, *aws: Awaitable[Any]) -> None:
+    """Until the first of these completes (the others are cancelled), or fail after limit."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        done, _pending = await asyncio.wait(
+            tasks, timeout=limit, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        for t in tasks:
+            t.cancel()
+    if not done:
+        raise AssertionError(f"not within {limit} s: {what}")
+    for t in done:
+        t.result()

@@ -21,15 +21,14 @@ import pytest
 from tests.agents.harness import (
     FAKE_KEY,
     ClaudeHome,
+    agent_proxy,
     claude_result,
+    first_of,
     is_claude_turn,
-    metric,
     same_turn,
     streaming,
-    until,
     wait_for,
 )
-from tests.conftest import ProxyFactory
 from tests.upstream import Script, ScriptedUpstream, Seen
 
 pytestmark = pytest.mark.agents
@@ -43,35 +42,35 @@ def _tokens(tag: str) -> list[str]:
 
 
 async def test_a_turn_completes_with_the_scripted_text(
-    tmp_path: Path, upstream: ScriptedUpstream, make_proxy: ProxyFactory
+    tmp_path: Path, upstream: ScriptedUpstream
 ) -> None:
     upstream.choose = lambda path, body: Script(tokens=WORDS)
-    async with make_proxy(upstream.url) as proxy:
+    async with agent_proxy(upstream.url) as proxy:
         done = await ClaudeHome(tmp_path, proxy.url).agent("Say hello").run()
     result = claude_result(done)
     assert done.returncode == 0, done
     assert result["is_error"] is False and result["result"] == TEXT
     turns = [s for s in upstream.seen if is_claude_turn(s)]
-    assert len(turns) == 1 and streaming(turns[0])
+    assert len(turns) == 1 and streaming(turns[0]) and turns[0].query == "beta=true"
     assert turns[0].headers["x-api-key"] == FAKE_KEY
     assert turns[0].events_sent == len(WORDS) + 5  # the whole stream went out
+    assert proxy.watched.sources() == ["upstream"]
 
 
 async def test_its_own_stall_retry_replaces_the_stalled_generation(
-    tmp_path: Path, upstream: ScriptedUpstream, make_proxy: ProxyFactory
+    tmp_path: Path, upstream: ScriptedUpstream
 ) -> None:
     # The first stream stalls after its first event, past healthy_within (1 s) and up to
-    # Claude Code's own byte-idle timeout (10 s, its minimum); Claude then re-sends the same
-    # body without streaming, and that second generation answers.
+    # Claude Code's own byte-idle timeout (10 s, its minimum); Claude then closes it and
+    # re-sends the body without streaming, and that second generation answers.
     def choose(path: str, body: Any) -> Script:
         if body.get("stream"):
             return Script(tokens=_tokens("first"), gated=True)
         return Script(tokens=_tokens("second"))
 
     upstream.choose = choose
-    home = ClaudeHome(tmp_path, "", CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS="10000")
-    async with make_proxy(upstream.url, **{"upstream.healthy_within": 1.0}) as proxy:
-        home.env["ANTHROPIC_BASE_URL"] = proxy.url
+    async with agent_proxy(upstream.url, **{"upstream.healthy_within": 1.0}) as proxy:
+        home = ClaudeHome(tmp_path, proxy.url, CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS="10000")
         done = await home.agent("Say hello").run()
     result = claude_result(done)
     assert done.returncode == 0, done
@@ -81,40 +80,39 @@ async def test_its_own_stall_retry_replaces_the_stalled_generation(
     assert same_turn(upstream.seen, first) == [first]
     assert [streaming(s) for s in _fallbacks(upstream, first)] == [False]
     assert first.closed.is_set() and first.events_sent == 1
+    assert proxy.watched.sources() == ["upstream", "upstream"]
 
 
 async def test_identical_twins_share_one_upstream_request(
-    tmp_path: Path, upstream: ScriptedUpstream, make_proxy: ProxyFactory
+    tmp_path: Path, upstream: ScriptedUpstream
 ) -> None:
     # Two Claude Code processes with one home and session send byte-identical bodies (as
-    # its parallel subagents do). The first stream is held until the second request has
-    # reached the proxy; both must then get the whole answer from one upstream request.
+    # its parallel subagents do). The first stream is held until the proxy has answered
+    # the second request's headers; both must get the whole answer from one upstream request.
     upstream.choose = lambda path, body: Script(tokens=WORDS, gated=True)
-    home = ClaudeHome(tmp_path, "")
-    async with make_proxy(upstream.url) as proxy:
-        home.env["ANTHROPIC_BASE_URL"] = proxy.url
+    async with agent_proxy(upstream.url) as proxy:
+        home = ClaudeHome(tmp_path, proxy.url)
         a = await home.agent("Say hello").start()
         await asyncio.sleep(0.05)  # the scenario: the twin starts 50 ms later
         b = await home.agent("Say hello").start()
-        first = await wait_for(upstream, is_claude_turn)
-
-        async def second_arrived() -> bool:
-            follows = await metric(proxy.url, "streamfence_follows_total")
-            return follows >= 1 or len(same_turn(upstream.seen, first)) >= 2
-
-        await until(second_arrived, 30, "the twin's request reached the proxy")
-        for s in same_turn(upstream.seen, first):
+        await asyncio.wait_for(proxy.watched.wait_started(2), 30)
+        for s in upstream.seen:
             s.release(100)
         done_a, done_b = await a.finish(), await b.finish()
     for done in (done_a, done_b):
         result = claude_result(done)
         assert done.returncode == 0, done
         assert result["is_error"] is False and result["result"] == TEXT
+    sent = [e.body for e in proxy.watched.exchanges]
+    assert sent[0] == sent[1]  # the twins' requests were byte-identical
+    first = next(s for s in upstream.seen if is_claude_turn(s))
     assert len(same_turn(upstream.seen, first)) == 1
+    assert _fallbacks(upstream, first) == [] and len(sent) == 2  # nobody fell back
+    assert proxy.watched.sources() == ["upstream", "followed"]
 
 
 async def test_the_fenced_agents_reflex_retry_does_not_cut_the_winner(
-    tmp_path: Path, upstream: ScriptedUpstream, make_proxy: ProxyFactory
+    tmp_path: Path, upstream: ScriptedUpstream
 ) -> None:
     # Claude Code's stream stalls past healthy_within; the identical request arrives again
     # (another client with the same credential) and supersedes it. Claude Code answers the
@@ -133,10 +131,8 @@ async def test_the_fenced_agents_reflex_retry_does_not_cut_the_winner(
 
     upstream.choose = choose
     healthy = 2.0
-    home = ClaudeHome(tmp_path, "")
-    async with make_proxy(upstream.url, **{"upstream.healthy_within": healthy}) as proxy:
-        home.env["ANTHROPIC_BASE_URL"] = proxy.url
-        agent = await home.agent("Say hello").start()
+    async with agent_proxy(upstream.url, **{"upstream.healthy_within": healthy}) as proxy:
+        agent = await ClaudeHome(tmp_path, proxy.url).agent("Say hello").start()
         first = await wait_for(upstream, is_claude_turn)
         await first.wait_sent(1)
         first.release(2)  # message_start, content_block_start, one delta: mid-answer
@@ -151,16 +147,13 @@ async def test_the_fenced_agents_reflex_retry_does_not_cut_the_winner(
             url = f"{first.path}?{first.query}" if first.query else first.path
             async with client.stream("POST", url, content=first.body, headers=headers) as won:
                 assert won.status_code == 200
-                await wait_for(
-                    upstream, lambda s: s is not first and is_claude_turn(s) and streaming(s)
-                )
-
-                async def claude_reacted() -> bool:
-                    follows = await metric(proxy.url, "streamfence_follows_total")
-                    return follows >= 1 or len(upstream.seen) >= 3 or agent.exited
-
                 # Whatever Claude Code does next happens while the winner is mid-stream.
-                await until(claude_reacted, 30, "Claude Code's reaction to the fence")
+                await first_of(
+                    30,
+                    "Claude Code's reaction to the fence",
+                    proxy.watched.wait_started(3),
+                    agent.exit(),
+                )
                 for s in upstream.seen:  # the winner, and any further attempt
                     s.release(100)
                 body = (await won.aread()).decode()
@@ -171,6 +164,7 @@ async def test_the_fenced_agents_reflex_retry_does_not_cut_the_winner(
     # Claude Code's own fallback went upstream beside the winner and answered it.
     assert [streaming(s) for s in _fallbacks(upstream, first)] == [False]
     assert order == ["stream", "stream", "json"]
+    assert proxy.watched.sources() == ["upstream", "upstream", "upstream"]
     assert done.returncode == 0, done
     assert result["is_error"] is False
     assert result["result"] == "".join(_tokens("json"))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -23,15 +22,14 @@ import pytest
 from tests.agents.harness import (
     FAKE_KEY,
     CodexHome,
+    agent_proxy,
     codex_outcome,
     codex_script,
+    first_of,
     is_codex_turn,
-    metric,
     same_turn,
-    until,
     wait_for,
 )
-from tests.conftest import ProxyFactory
 from tests.upstream import ScriptedUpstream
 
 pytestmark = pytest.mark.agents
@@ -45,10 +43,10 @@ def _tokens(tag: str) -> list[str]:
 
 
 async def test_a_turn_completes_with_the_scripted_text(
-    tmp_path: Path, upstream: ScriptedUpstream, make_proxy: ProxyFactory
+    tmp_path: Path, upstream: ScriptedUpstream
 ) -> None:
     upstream.choose = lambda path, body: codex_script(WORDS)
-    async with make_proxy(upstream.url) as proxy:
+    async with agent_proxy(upstream.url) as proxy:
         done = await CodexHome(tmp_path, proxy.url).agent("Say hello").run()
     outcome = codex_outcome(done)
     assert done.returncode == 0, done
@@ -57,38 +55,36 @@ async def test_a_turn_completes_with_the_scripted_text(
     assert len(turns) == 1 and turns[0].json["stream"] is True
     assert turns[0].headers["authorization"] == f"Bearer {FAKE_KEY}"
     assert turns[0].events_sent == len(WORDS) + 4  # the whole stream went out
+    assert proxy.watched.sources() == ["upstream"]
 
 
 async def test_its_own_stall_retry_replaces_the_stalled_generation(
-    tmp_path: Path, upstream: ScriptedUpstream, make_proxy: ProxyFactory
+    tmp_path: Path, upstream: ScriptedUpstream
 ) -> None:
     # The first stream stalls after response.created, past healthy_within (1 s) and up to
-    # Codex's stream_idle_timeout_ms (2 s); Codex re-sends the same body, and that second
-    # generation must answer whole.
-    attempts: list[str] = []
-
-    def choose(path: str, body: Any) -> Any:
-        attempts.append(path)
-        if len(attempts) == 1:
-            return codex_script(_tokens("first"), gated=True)
-        return codex_script(_tokens("second"))
-
-    upstream.choose = choose
-    async with make_proxy(upstream.url, **{"upstream.healthy_within": 1.0}) as proxy:
+    # Codex's stream_idle_timeout_ms (2 s); Codex closes it and re-sends the same body, and
+    # that second generation must answer whole.
+    scripts = iter([_tokens("first"), _tokens("second")])
+    upstream.choose = lambda path, body: codex_script(next(scripts), gated=True)
+    async with agent_proxy(upstream.url, **{"upstream.healthy_within": 1.0}) as proxy:
         home = CodexHome(tmp_path, proxy.url, stream_idle_timeout_ms=2000, stream_max_retries=2)
-        done = await home.agent("Say hello").run()
+        agent = await home.agent("Say hello").start()
+        await asyncio.wait_for(proxy.watched.wait_started(2), 30)
+        upstream.seen[1].release(100)
+        done = await agent.finish()
     outcome = codex_outcome(done)
     assert done.returncode == 0, done
     assert outcome.text == "".join(_tokens("second")) and outcome.completed
     assert len(outcome.errors) == 1 and outcome.errors[0].startswith("Reconnecting... 1/2")
     assert "idle timeout" in outcome.errors[0]
-    first = next(s for s in upstream.seen if is_codex_turn(s))
+    first = upstream.seen[0]
     assert len(same_turn(upstream.seen, first)) == 2  # 2 upstream generations
     assert first.closed.is_set() and first.events_sent == 1
+    assert proxy.watched.sources() == ["upstream", "upstream"]
 
 
 async def test_two_sessions_at_once_both_complete(
-    tmp_path: Path, upstream: ScriptedUpstream, make_proxy: ProxyFactory
+    tmp_path: Path, upstream: ScriptedUpstream
 ) -> None:
     # Two Codex sessions asking the same question 50 ms apart. Their bodies differ (session,
     # turn and message ids), so neither can be served from the other: each must get its own
@@ -96,7 +92,7 @@ async def test_two_sessions_at_once_both_complete(
     # are upstream, so that the two are in flight together.
     tags = iter(["one", "two"])
     upstream.choose = lambda path, body: codex_script(_tokens(next(tags)), gated=True)
-    async with make_proxy(upstream.url) as proxy:
+    async with agent_proxy(upstream.url) as proxy:
         a = await CodexHome(tmp_path / "a", proxy.url).agent("Say hello").start()
         await asyncio.sleep(0.05)  # the scenario: the twin starts 50 ms later
         b = await CodexHome(tmp_path / "b", proxy.url).agent("Say hello").start()
@@ -113,19 +109,20 @@ async def test_two_sessions_at_once_both_complete(
     assert texts == {"".join(_tokens("one")), "".join(_tokens("two"))}
     assert len([s for s in upstream.seen if is_codex_turn(s)]) == 2
     assert not any(s.closed.is_set() for s in upstream.seen)
+    assert proxy.watched.sources() == ["upstream", "upstream"]
 
 
 async def test_the_fenced_agents_reflex_retry_does_not_cut_the_winner(
-    tmp_path: Path, upstream: ScriptedUpstream, make_proxy: ProxyFactory
+    tmp_path: Path, upstream: ScriptedUpstream
 ) -> None:
     # Codex's stream stalls past healthy_within; the identical request arrives again
     # (another client with the same credential) and supersedes it. Codex, with its default
     # retry settings, answers the superseded frame by re-sending the same body: that retry
     # must follow the winner, not fence it.
-    tags = iter(["stalled", "winner", "third", "fourth", "fifth", "sixth"])
+    tags = iter(["stalled", "winner", "third", "fourth", "fifth", "sixth", "seventh"])
     upstream.choose = lambda path, body: codex_script(_tokens(next(tags)), gated=True)
     healthy = 2.0
-    async with make_proxy(upstream.url, **{"upstream.healthy_within": healthy}) as proxy:
+    async with agent_proxy(upstream.url, **{"upstream.healthy_within": healthy}) as proxy:
         agent = await CodexHome(tmp_path, proxy.url).agent("Say hello").start()
         first = await wait_for(upstream, is_codex_turn)
         await first.wait_sent(1)
@@ -138,14 +135,10 @@ async def test_the_fenced_agents_reflex_retry_does_not_cut_the_winner(
                 "POST", first.path, content=first.body, headers=headers
             ) as won:
                 assert won.status_code == 200
-                await wait_for(upstream, lambda s: s is not first and is_codex_turn(s))
-
-                async def codex_reacted() -> bool:
-                    follows = await metric(proxy.url, "streamfence_follows_total")
-                    return follows >= 1 or len(upstream.seen) >= 3 or agent.exited
-
                 # Whatever Codex does next happens while the winner is mid-stream.
-                await until(codex_reacted, 30, "Codex's reaction to the fence")
+                await first_of(
+                    30, "Codex's reaction to the fence", proxy.watched.wait_started(3), agent.exit()
+                )
                 for s in upstream.seen:  # the winner, and any further attempt
                     s.release(100)
                 body = (await won.aread()).decode()
@@ -153,6 +146,7 @@ async def test_the_fenced_agents_reflex_retry_does_not_cut_the_winner(
     outcome = codex_outcome(done)
     assert _responses_text(body) == ("".join(_tokens("winner")), True)  # the winner, whole
     assert len(same_turn(upstream.seen, first)) == 2  # 2 generations, no third
+    assert proxy.watched.sources() == ["upstream", "upstream", "followed"]
     assert done.returncode == 0, done
     assert outcome.completed and outcome.text == "".join(_tokens("winner"))
     assert len(outcome.errors) == 1 and outcome.errors[0].startswith("Reconnecting... 1/5")
