@@ -15,11 +15,13 @@ import json
 import os
 import tomllib
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from proxy.app import create_app
 from proxy.config import load
@@ -380,6 +382,36 @@ async def agent_proxy(upstream_url: str, **overrides: Any) -> AsyncIterator[Agen
     app = Watched(create_app(load(env={}, overrides={"upstream.url": upstream_url, **overrides})))
     async with serve(app) as (url, _server):
         yield AgentProxy(url, app)
+
+
+async def supersede_stalled(
+    proxy: AgentProxy,
+    upstream: ScriptedUpstream,
+    agent: Agent,
+    is_turn: Callable[[Seen], bool],
+    headers: dict[str, str],
+    healthy: float,
+) -> tuple[Seen, str, Finished]:
+    """The agent's stream is held mid-answer (3 events) past `healthy` seconds; then this
+    test, as another client with the agent's credential, sends the byte-identical request,
+    which supersedes the stalled generation. Whatever the agent does next happens while the
+    winner's stream is held; then every stream is let go. Returns the agent's first
+    upstream request, the winner's whole SSE body, and how the agent ended."""
+    first = await wait_for(upstream, is_turn)
+    await first.wait_sent(1)
+    first.release(2)
+    await first.wait_sent(3)
+    await asyncio.sleep(healthy + 0.5)  # the condition under test: stalled that long
+    url = f"{first.path}?{first.query}" if first.query else first.path
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as client:
+        async with client.stream("POST", url, content=first.body, headers=headers) as won:
+            assert won.status_code == 200, await won.aread()
+            reaction = proxy.watched.wait_started(3)
+            await first_of(30, "the agent's reaction to the fence", reaction, agent.exit())
+            for s in upstream.seen:  # the winner, and any further attempt
+                s.release(100)
+            body = (await won.aread()).decode()
+    return first, body, await agent.finish()
 
 
 async def first_of(limit: float, what: str, *aws: Awaitable[Any]) -> None:

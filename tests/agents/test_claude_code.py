@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.agents.harness import (
@@ -23,15 +23,20 @@ from tests.agents.harness import (
     ClaudeHome,
     agent_proxy,
     claude_result,
-    first_of,
     is_claude_turn,
     same_turn,
     streaming,
-    wait_for,
+    supersede_stalled,
 )
 from tests.upstream import Script, ScriptedUpstream, Seen
 
 pytestmark = pytest.mark.agents
+
+ANTHROPIC_HEADERS = {
+    "x-api-key": FAKE_KEY,
+    "content-type": "application/json",
+    "anthropic-version": "2023-06-01",
+}
 
 WORDS = ["Scripted ", "answer ", "from ", "the ", "upstream."]
 TEXT = "".join(WORDS)
@@ -118,56 +123,60 @@ async def test_the_fenced_agents_reflex_retry_does_not_cut_the_winner(
     # (another client with the same credential) and supersedes it. Claude Code answers the
     # superseded frame by re-sending the body without streaming: that must neither fence
     # the winner nor be fenced by it.
-    order: list[str] = []
-
-    def choose(path: str, body: Any) -> Script:
-        if not body.get("stream"):
-            order.append("json")
-            return Script(tokens=_tokens("json"))
-        order.append("stream")
-        if order.count("stream") == 1:
-            return Script(tokens=_tokens("stalled"), gated=True)
-        return Script(tokens=_tokens("winner"), gated=True)
-
-    upstream.choose = choose
+    upstream.choose = _stalled_then_winner()
     healthy = 2.0
     async with agent_proxy(upstream.url, **{"upstream.healthy_within": healthy}) as proxy:
         agent = await ClaudeHome(tmp_path, proxy.url).agent("Say hello").start()
-        first = await wait_for(upstream, is_claude_turn)
-        await first.wait_sent(1)
-        first.release(2)  # message_start, content_block_start, one delta: mid-answer
-        await first.wait_sent(3)
-        await asyncio.sleep(healthy + 0.5)  # the condition under test: stalled that long
-        async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as client:
-            headers = {
-                "x-api-key": FAKE_KEY,
-                "content-type": "application/json",
-                "anthropic-version": "2023-06-01",
-            }
-            url = f"{first.path}?{first.query}" if first.query else first.path
-            async with client.stream("POST", url, content=first.body, headers=headers) as won:
-                assert won.status_code == 200
-                # Whatever Claude Code does next happens while the winner is mid-stream.
-                await first_of(
-                    30,
-                    "Claude Code's reaction to the fence",
-                    proxy.watched.wait_started(3),
-                    agent.exit(),
-                )
-                for s in upstream.seen:  # the winner, and any further attempt
-                    s.release(100)
-                body = (await won.aread()).decode()
-        done = await agent.finish()
+        first, body, done = await supersede_stalled(
+            proxy, upstream, agent, is_claude_turn, ANTHROPIC_HEADERS, healthy
+        )
     result = claude_result(done)
     assert _anthropic_text(body) == ("".join(_tokens("winner")), True)  # the winner, whole
     assert [streaming(s) for s in same_turn(upstream.seen, first)] == [True, True]
     # Claude Code's own fallback went upstream beside the winner and answered it.
     assert [streaming(s) for s in _fallbacks(upstream, first)] == [False]
-    assert order == ["stream", "stream", "json"]
     assert proxy.watched.sources() == ["upstream", "upstream", "upstream"]
     assert done.returncode == 0, done
     assert result["is_error"] is False
     assert result["result"] == "".join(_tokens("json"))
+
+
+async def test_without_its_fallback_the_fenced_agent_reports_the_proxys_error(
+    tmp_path: Path, upstream: ScriptedUpstream
+) -> None:
+    # The same, with Claude Code's non-streaming fallback off: the superseded stream is the
+    # end of its run, and what it reports must be the proxy's message, not a network fault.
+    upstream.choose = _stalled_then_winner()
+    healthy = 2.0
+    async with agent_proxy(upstream.url, **{"upstream.healthy_within": healthy}) as proxy:
+        home = ClaudeHome(tmp_path, proxy.url, CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK="1")
+        agent = await home.agent("Say hello").start()
+        first, body, done = await supersede_stalled(
+            proxy, upstream, agent, is_claude_turn, ANTHROPIC_HEADERS, healthy
+        )
+    result = claude_result(done)
+    assert _anthropic_text(body) == ("".join(_tokens("winner")), True)  # the winner, whole
+    assert [streaming(s) for s in same_turn(upstream.seen, first)] == [True, True]
+    assert _fallbacks(upstream, first) == []
+    assert proxy.watched.sources() == ["upstream", "upstream"]
+    assert done.returncode == 1, done
+    assert result["is_error"] is True and result["api_error_type"] == "stream_superseded"
+    message = result["result"]
+    assert message.startswith("API Error: streamfence: attempt 1 of this turn was superseded")
+    assert "stalled" not in message and "winner" not in message  # no text of either answer
+
+
+def _stalled_then_winner() -> Callable[[str, Any], Script]:
+    """First streaming request: held (the test releases it); second: the winner, held too;
+    a non-streaming request (Claude Code's fallback) answers at once."""
+    tags = iter(["stalled", "winner", "third", "fourth"])
+
+    def choose(path: str, body: Any) -> Script:
+        if not body.get("stream"):
+            return Script(tokens=_tokens("json"))
+        return Script(tokens=_tokens(next(tags)), gated=True)
+
+    return choose
 
 
 def _fallbacks(upstream: ScriptedUpstream, first: Seen) -> list[Seen]:

@@ -16,7 +16,6 @@ import asyncio
 import json
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.agents.harness import (
@@ -25,10 +24,9 @@ from tests.agents.harness import (
     agent_proxy,
     codex_outcome,
     codex_script,
-    first_of,
     is_codex_turn,
     same_turn,
-    wait_for,
+    supersede_stalled,
 )
 from tests.upstream import ScriptedUpstream
 
@@ -124,25 +122,10 @@ async def test_the_fenced_agents_reflex_retry_does_not_cut_the_winner(
     healthy = 2.0
     async with agent_proxy(upstream.url, **{"upstream.healthy_within": healthy}) as proxy:
         agent = await CodexHome(tmp_path, proxy.url).agent("Say hello").start()
-        first = await wait_for(upstream, is_codex_turn)
-        await first.wait_sent(1)
-        first.release(2)  # response.created, output_item.added, one delta: mid-answer
-        await first.wait_sent(3)
-        await asyncio.sleep(healthy + 0.5)  # the condition under test: stalled that long
-        async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as client:
-            headers = {"authorization": f"Bearer {FAKE_KEY}", "content-type": "application/json"}
-            async with client.stream(
-                "POST", first.path, content=first.body, headers=headers
-            ) as won:
-                assert won.status_code == 200
-                # Whatever Codex does next happens while the winner is mid-stream.
-                await first_of(
-                    30, "Codex's reaction to the fence", proxy.watched.wait_started(3), agent.exit()
-                )
-                for s in upstream.seen:  # the winner, and any further attempt
-                    s.release(100)
-                body = (await won.aread()).decode()
-        done = await agent.finish()
+        headers = {"authorization": f"Bearer {FAKE_KEY}", "content-type": "application/json"}
+        first, body, done = await supersede_stalled(
+            proxy, upstream, agent, is_codex_turn, headers, healthy
+        )
     outcome = codex_outcome(done)
     assert _responses_text(body) == ("".join(_tokens("winner")), True)  # the winner, whole
     assert len(same_turn(upstream.seen, first)) == 2  # 2 generations, no third
