@@ -70,6 +70,11 @@ class Seen:
     sent_event: asyncio.Event = field(default_factory=asyncio.Event)
     _permits: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(0))
 
+    def __repr__(self) -> str:
+        # Short, so that a failed assertion on a list of requests stays readable.
+        state = "closed" if self.closed.is_set() else "finished" if self.finished else "open"
+        return f"<Seen {self.method} {self.path} events_sent={self.events_sent} {state}>"
+
     def release(self, n: int = 1) -> None:
         for _ in range(n):
             self._permits.release()
