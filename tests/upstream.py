@@ -38,6 +38,7 @@ class Script:
     raw_bytes: list[bytes] | None = None
     prefix: str = ""  # token prefix, so two attempts' texts are told apart
     headers: dict[str, str] = field(default_factory=dict)  # extra response headers
+    body: Any = None  # the whole JSON body of a non-streaming answer, instead of the generated one
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> Script | None:
@@ -171,7 +172,8 @@ class ScriptedUpstream:
             await _send_whole(send, script.status, payload.encode(), "application/json", script)
             return
         if not streaming:
-            payload = json.dumps(_whole_response(seen, script))
+            whole = script.body if script.body is not None else _whole_response(seen, script)
+            payload = json.dumps(whole)
             await _send_whole(send, 200, payload.encode(), "application/json", script)
             return
         await send(

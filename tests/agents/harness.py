@@ -143,6 +143,19 @@ def is_claude_turn(seen: Seen) -> bool:
     return seen.method == "POST" and seen.path == "/v1/messages"
 
 
+def claude_upstream(turn: Callable[[Any], Script]) -> Callable[[str, Any], Script]:
+    """An upstream `choose` for Claude Code: `turn(body)` scripts its Messages requests; a
+    token count (POST /v1/messages/count_tokens, which it may send too) gets a plausible
+    answer rather than a Messages body."""
+
+    def choose(path: str, body: Any) -> Script:
+        if path.endswith("/count_tokens"):
+            return Script(stream=False, body={"input_tokens": 1})
+        return turn(body)
+
+    return choose
+
+
 # --- Codex CLI ---------------------------------------------------------------------------
 
 

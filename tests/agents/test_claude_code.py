@@ -23,6 +23,7 @@ from tests.agents.harness import (
     ClaudeHome,
     agent_proxy,
     claude_result,
+    claude_upstream,
     is_claude_turn,
     same_turn,
     streaming,
@@ -49,7 +50,7 @@ def _tokens(tag: str) -> list[str]:
 async def test_a_turn_completes_with_the_scripted_text(
     tmp_path: Path, upstream: ScriptedUpstream
 ) -> None:
-    upstream.choose = lambda path, body: Script(tokens=WORDS)
+    upstream.choose = claude_upstream(lambda body: Script(tokens=WORDS))
     async with agent_proxy(upstream.url) as proxy:
         done = await ClaudeHome(tmp_path, proxy.url).agent("Say hello").run()
     result = claude_result(done)
@@ -68,12 +69,12 @@ async def test_its_own_stall_retry_replaces_the_stalled_generation(
     # The first stream stalls after its first event, past healthy_within (1 s) and up to
     # Claude Code's own byte-idle timeout (10 s, its minimum); Claude then closes it and
     # re-sends the body without streaming, and that second generation answers.
-    def choose(path: str, body: Any) -> Script:
+    def turn(body: Any) -> Script:
         if body.get("stream"):
             return Script(tokens=_tokens("first"), gated=True)
         return Script(tokens=_tokens("second"))
 
-    upstream.choose = choose
+    upstream.choose = claude_upstream(turn)
     async with agent_proxy(upstream.url, **{"upstream.healthy_within": 1.0}) as proxy:
         home = ClaudeHome(tmp_path, proxy.url, CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS="10000")
         done = await home.agent("Say hello").run()
@@ -94,7 +95,7 @@ async def test_identical_twins_share_one_upstream_request(
     # Two Claude Code processes with one home and session send byte-identical bodies (as
     # its parallel subagents do). The first stream is held until the proxy has answered
     # the second request's headers; both must get the whole answer from one upstream request.
-    upstream.choose = lambda path, body: Script(tokens=WORDS, gated=True)
+    upstream.choose = claude_upstream(lambda body: Script(tokens=WORDS, gated=True))
     async with agent_proxy(upstream.url) as proxy:
         home = ClaudeHome(tmp_path, proxy.url)
         a = await home.agent("Say hello").start()
@@ -171,12 +172,12 @@ def _stalled_then_winner() -> Callable[[str, Any], Script]:
     a non-streaming request (Claude Code's fallback) answers at once."""
     tags = iter(["stalled", "winner", "third", "fourth"])
 
-    def choose(path: str, body: Any) -> Script:
+    def turn(body: Any) -> Script:
         if not body.get("stream"):
             return Script(tokens=_tokens("json"))
         return Script(tokens=_tokens(next(tags)), gated=True)
 
-    return choose
+    return claude_upstream(turn)
 
 
 def _fallbacks(upstream: ScriptedUpstream, first: Seen) -> list[Seen]:
