@@ -290,6 +290,28 @@ def is_codex_turn(seen: Seen) -> bool:
 # --- the upstream and the proxy, seen from outside ---------------------------------------
 
 
+def sse_data(body: str) -> list[dict[str, Any]]:
+    """The JSON of each `data:` line of an SSE body, in order."""
+    return [
+        json.loads(line[6:])
+        for block in body.split("\n\n")
+        for line in block.splitlines()
+        if line.startswith("data: ") and line[6:].startswith("{")
+    ]
+
+
+def superseded_frames(body: str) -> list[dict[str, Any]]:
+    """The proxy's superseded frames in an SSE body (Responses or Anthropic dialect)."""
+
+    def kind(event: dict[str, Any]) -> Any:
+        inner = event.get("error")
+        return event.get("code") or (inner.get("type") if isinstance(inner, dict) else None)
+
+    return [
+        e for e in sse_data(body) if e.get("type") == "error" and kind(e) == "stream_superseded"
+    ]
+
+
 def same_turn(seen: list[Seen], first: Seen, ignore: tuple[str, ...] = ("stream",)) -> list[Seen]:
     """The requests whose body equals `first`'s apart from the `ignore` fields: one turn's
     attempts (the key order of the JSON may differ between an agent's retries)."""

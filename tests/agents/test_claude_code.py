@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.agents.harness import (
@@ -26,8 +27,11 @@ from tests.agents.harness import (
     claude_upstream,
     is_claude_turn,
     same_turn,
+    sse_data,
     streaming,
     supersede_stalled,
+    superseded_frames,
+    wait_for,
 )
 from tests.upstream import Script, ScriptedUpstream, Seen
 
@@ -87,6 +91,47 @@ async def test_its_own_stall_retry_replaces_the_stalled_generation(
     assert [streaming(s) for s in _fallbacks(upstream, first)] == [False]
     assert first.closed.is_set() and first.events_sent == 1
     assert proxy.watched.sources() == ["upstream", "upstream"]
+
+
+async def test_without_its_fallback_its_stall_retry_supersedes_what_another_client_holds(
+    tmp_path: Path, upstream: ScriptedUpstream
+) -> None:
+    # With its non-streaming fallback off, Claude Code re-sends the identical streaming body
+    # after its stall timeout. Another client follows its stream, so the stalled generation
+    # outlives Claude Code's connection: the re-send must supersede it (stalled longer than
+    # healthy_within), not follow it, and the other client gets the superseded frame.
+    scripts = iter([("first", True), ("second", False), ("third", False)])
+
+    def turn(body: Any) -> Script:
+        tag, held = next(scripts)
+        return Script(tokens=_tokens(tag), gated=held)
+
+    upstream.choose = claude_upstream(turn)
+    async with agent_proxy(upstream.url, **{"upstream.healthy_within": 1.0}) as proxy:
+        home = ClaudeHome(
+            tmp_path,
+            proxy.url,
+            CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS="10000",
+            CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK="1",
+        )
+        agent = await home.agent("Say hello").start()
+        first = await wait_for(upstream, is_claude_turn)
+        url = f"{first.path}?{first.query}"
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as client:
+            async with client.stream(
+                "POST", url, content=first.body, headers=ANTHROPIC_HEADERS
+            ) as held:
+                assert held.headers["x-streamfence-source"] == "followed"
+                held_body = (await held.aread()).decode()  # ends with the supersede
+        done = await agent.finish()
+    result = claude_result(done)
+    assert done.returncode == 0, done
+    assert result["is_error"] is False and result["result"] == "".join(_tokens("second"))
+    assert [streaming(s) for s in same_turn(upstream.seen, first)] == [True, True]
+    assert first.closed.is_set() and first.events_sent == 1
+    assert proxy.watched.sources() == ["upstream", "followed", "upstream"]
+    assert [e["type"] for e in sse_data(held_body)] == ["message_start", "error"]
+    assert len(superseded_frames(held_body)) == 1
 
 
 async def test_identical_twins_share_one_upstream_request(

@@ -16,6 +16,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.agents.harness import (
@@ -26,12 +27,16 @@ from tests.agents.harness import (
     codex_script,
     is_codex_turn,
     same_turn,
+    sse_data,
     supersede_stalled,
+    superseded_frames,
+    wait_for,
 )
 from tests.upstream import ScriptedUpstream
 
 pytestmark = pytest.mark.agents
 
+CODEX_HEADERS = {"authorization": f"Bearer {FAKE_KEY}", "content-type": "application/json"}
 WORDS = ["Scripted ", "answer ", "from ", "the ", "upstream."]
 TEXT = "".join(WORDS)
 
@@ -81,6 +86,40 @@ async def test_its_own_stall_retry_replaces_the_stalled_generation(
     assert proxy.watched.sources() == ["upstream", "upstream"]
 
 
+async def test_its_stall_retry_supersedes_the_generation_another_client_holds(
+    tmp_path: Path, upstream: ScriptedUpstream
+) -> None:
+    # Another client follows Codex's stream, so the stalled generation outlives Codex's own
+    # connection. Codex's retry (after its 2 s idle timeout) finds it stalled for longer than
+    # healthy_within (1 s): it must start a new generation, not follow the stalled one, and
+    # the other client must get the superseded frame.
+    scripts = iter([_tokens("first"), _tokens("second"), _tokens("third")])
+    upstream.choose = lambda path, body: codex_script(next(scripts), gated=True)
+    async with agent_proxy(upstream.url, **{"upstream.healthy_within": 1.0}) as proxy:
+        home = CodexHome(tmp_path, proxy.url, stream_idle_timeout_ms=2000, stream_max_retries=2)
+        agent = await home.agent("Say hello").start()
+        first = await wait_for(upstream, is_codex_turn)
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as client:
+            async with client.stream(
+                "POST", first.path, content=first.body, headers=CODEX_HEADERS
+            ) as held:
+                assert held.headers["x-streamfence-source"] == "followed"
+                await asyncio.wait_for(proxy.watched.wait_started(3), 30)  # Codex's retry
+                for s in upstream.seen[1:]:  # never the stalled one
+                    s.release(100)
+                held_body = (await held.aread()).decode()
+        done = await agent.finish()
+    outcome = codex_outcome(done)
+    assert done.returncode == 0, done
+    assert outcome.text == "".join(_tokens("second")) and outcome.completed
+    assert len(outcome.errors) == 1 and "idle timeout" in outcome.errors[0]
+    assert len(same_turn(upstream.seen, first)) == 2 and first.closed.is_set()
+    assert proxy.watched.sources() == ["upstream", "followed", "upstream"]
+    # The other client: the stalled generation's first event, then the frame; no success.
+    assert [e["type"] for e in sse_data(held_body)] == ["response.created", "error"]
+    assert len(superseded_frames(held_body)) == 1
+
+
 async def test_two_sessions_at_once_both_complete(
     tmp_path: Path, upstream: ScriptedUpstream
 ) -> None:
@@ -122,9 +161,8 @@ async def test_the_fenced_agents_reflex_retry_does_not_cut_the_winner(
     healthy = 2.0
     async with agent_proxy(upstream.url, **{"upstream.healthy_within": healthy}) as proxy:
         agent = await CodexHome(tmp_path, proxy.url).agent("Say hello").start()
-        headers = {"authorization": f"Bearer {FAKE_KEY}", "content-type": "application/json"}
         first, body, done = await supersede_stalled(
-            proxy, upstream, agent, is_codex_turn, headers, healthy
+            proxy, upstream, agent, is_codex_turn, CODEX_HEADERS, healthy
         )
     outcome = codex_outcome(done)
     assert _responses_text(body) == ("".join(_tokens("winner")), True)  # the winner, whole
