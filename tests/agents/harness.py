@@ -50,6 +50,7 @@ class Agent:
         self._proc: asyncio.subprocess.Process | None = None
 
     async def start(self) -> Agent:
+        RUNNING.add(self)
         self._proc = await asyncio.create_subprocess_exec(
             *self.argv,
             env=self.env,
@@ -82,11 +83,22 @@ class Agent:
                 f"stderr: {err.decode()[-3000:]}"
             ) from None
         assert proc.returncode is not None
+        RUNNING.discard(self)
         return Finished(proc.returncode, out.decode(), err.decode())
+
+    async def kill(self) -> None:
+        """End the process if it still runs (a test that failed before finish())."""
+        RUNNING.discard(self)
+        if self._proc is not None and self._proc.returncode is None:
+            self._proc.kill()
+            await self._proc.communicate()
 
     async def run(self, limit: float = RUN_TIMEOUT) -> Finished:
         await self.start()
         return await self.finish(limit)
+
+
+RUNNING: set[Agent] = set()  # started and not finished: tests/agents/conftest.py reaps them
 
 
 def _base_env(home: Path) -> dict[str, str]:
@@ -109,7 +121,9 @@ CLAUDE_QUIET = {
 class ClaudeHome:
     """A HOME for Claude Code. Processes that share one (with one --session-id, in one
     working directory) send byte-identical requests for one prompt: the request carries
-    the home's user id, the session id and the memory directory's path."""
+    the home's user id, the session id and the memory directory's path. Without
+    --no-session-persistence the second of them would refuse to start ("Session ID ... is
+    already in use": the first one's transcript file exists)."""
 
     def __init__(self, root: Path, base_url: str, **env: str) -> None:
         self.home = root / "home"
@@ -125,7 +139,7 @@ class ClaudeHome:
 
     def agent(self, prompt: str) -> Agent:
         argv = [str(claude_binary()), "-p", prompt, "--output-format", "json"]
-        argv += ["--session-id", self.session]
+        argv += ["--session-id", self.session, "--no-session-persistence"]
         return Agent(argv, self.env, self.cwd)
 
 
@@ -392,12 +406,33 @@ class Watched:
     def started(self) -> list[Exchange]:
         return [e for e in self.exchanges if e.headers is not None]
 
-    async def wait_started(self, n: int) -> list[Exchange]:
+    async def wait_started(self, n: int, limit: float = 30.0) -> list[Exchange]:
         """Until the responses of at least n client requests have started."""
-        while len(self.started()) < n:
-            self._changed.clear()
-            await self._changed.wait()
+
+        async def started() -> None:
+            while len(self.started()) < n:
+                self._changed.clear()
+                await self._changed.wait()
+
+        try:
+            await asyncio.wait_for(started(), limit)
+        except TimeoutError:
+            raise AssertionError(
+                f"{len(self.started())} of {n} responses started within {limit} s: "
+                f"{self.describe()}"
+            ) from None
         return self.started()
+
+    def describe(self) -> str:
+        return "; ".join(
+            f"{e.path} ({len(e.body)} bytes) -> "
+            + (
+                json.dumps({k: v for k, v in e.headers.items() if "streamfence" in k})
+                if e.headers is not None
+                else "no response yet"
+            )
+            for e in self.exchanges
+        )
 
     def sources(self) -> list[str]:
         """x-streamfence-source of each started response, in order of arrival."""

@@ -25,6 +25,7 @@ from tests.agents.harness import (
     agent_proxy,
     claude_result,
     claude_upstream,
+    first_of,
     is_claude_turn,
     same_turn,
     sse_data,
@@ -146,7 +147,8 @@ async def test_identical_twins_share_one_upstream_request(
         a = await home.agent("Say hello").start()
         await asyncio.sleep(0.05)  # the scenario: the twin starts 50 ms later
         b = await home.agent("Say hello").start()
-        await asyncio.wait_for(proxy.watched.wait_started(2), 30)
+        # Neither can finish before the stream is let go: an exit here is a failure to see.
+        await first_of(30, "the twin's request", proxy.watched.wait_started(2), a.exit(), b.exit())
         for s in upstream.seen:
             s.release(100)
         done_a, done_b = await a.finish(), await b.finish()

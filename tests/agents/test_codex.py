@@ -72,7 +72,7 @@ async def test_its_own_stall_retry_replaces_the_stalled_generation(
     async with agent_proxy(upstream.url, **{"upstream.healthy_within": 1.0}) as proxy:
         home = CodexHome(tmp_path, proxy.url, stream_idle_timeout_ms=2000, stream_max_retries=2)
         agent = await home.agent("Say hello").start()
-        await asyncio.wait_for(proxy.watched.wait_started(2), 30)
+        await proxy.watched.wait_started(2)
         upstream.seen[1].release(100)
         done = await agent.finish()
     outcome = codex_outcome(done)
@@ -104,7 +104,7 @@ async def test_its_stall_retry_supersedes_the_generation_another_client_holds(
                 "POST", first.path, content=first.body, headers=CODEX_HEADERS
             ) as held:
                 assert held.headers["x-streamfence-source"] == "followed"
-                await asyncio.wait_for(proxy.watched.wait_started(3), 30)  # Codex's retry
+                await proxy.watched.wait_started(3)  # Codex's retry
                 for s in upstream.seen[1:]:  # never the stalled one
                     s.release(100)
                 held_body = (await held.aread()).decode()
