@@ -174,9 +174,11 @@ def claude_upstream(turn: Callable[[Any], Script]) -> Callable[[str, Any], Scrip
 
 
 class CodexHome:
-    """A CODEX_HOME with a custom model provider at the proxy (Responses API over HTTP)."""
+    """A CODEX_HOME with a custom model provider at the proxy (Responses API over HTTP).
+    `provider` adds or overrides keys of the provider's table (e.g. stream_idle_timeout_ms);
+    `extra_toml` is appended to config.toml as it is (other tables)."""
 
-    def __init__(self, root: Path, base_url: str, **provider: Any) -> None:
+    def __init__(self, root: Path, base_url: str, extra_toml: str = "", **provider: Any) -> None:
         self.home = root / "home"
         self.codex_home = root / "codex"
         self.cwd = root / "work"
@@ -198,7 +200,7 @@ class CodexHome:
             "[model_providers.streamfence]",
         ]
         lines += [f"{k} = {_toml(v)}" for k, v in settings.items()]
-        text = "\n".join(lines) + "\n"
+        text = "\n".join(lines) + "\n" + extra_toml
         tomllib.loads(text)  # fail here, not inside Codex, on a malformed file
         (self.codex_home / "config.toml").write_text(text)
         self.env = {**_base_env(self.home), "CODEX_HOME": str(self.codex_home)}
