@@ -264,7 +264,9 @@ class Subscriber:
 
     async def _start(self, send: Send, *, reframed: bool) -> None:
         headers = response_headers(self.gen.raw_headers, reframed=reframed)
-        headers += self._own_headers()
+        upstream_names = {name for name, _ in headers}
+        # The upstream's own request id (OpenAI's, Anthropic's) is the one a caller reports.
+        headers += [h for h in self._own_headers() if h[0] not in upstream_names]
         if reframed:
             headers += SSE_HEADERS
         await send({"type": "http.response.start", "status": self.gen.status, "headers": headers})
@@ -321,7 +323,9 @@ class Subscriber:
         if record.outcome == "pending":
             record.outcome = self._outcome()
         record.finished_at = time.perf_counter()
-        self.on_finish(record, None if self.cause else self.error)
+        # The error once per upstream failure: its generation's first client reports it.
+        own = self.cause is None and self.ex.source in ("upstream", "beside")
+        self.on_finish(record, self.error if own else None)
 
     def _outcome(self) -> str:
         if self.cause == WRITE_TIMEOUT:  # even after the last event: the client took nothing

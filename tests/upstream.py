@@ -12,6 +12,7 @@ its client (the proxy) go away, with `events_sent` telling how far it got.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import time
@@ -37,6 +38,9 @@ class Script:
     raw: list[str] | None = None  # exact SSE text to send instead of generated events
     raw_bytes: list[bytes] | None = None
     prefix: str = ""  # token prefix, so two attempts' texts are told apart
+    # Prefix the tokens with this request's number as well ("g<n>:"): identical requests
+    # that reach the upstream (new generations of one turn) still answer apart.
+    unique: bool = False
     headers: dict[str, str] = field(default_factory=dict)  # extra response headers
     body: Any = None  # the whole JSON body of a non-streaming answer, instead of the generated one
 
@@ -126,6 +130,8 @@ class ScriptedUpstream:
         if script is None and self.choose is not None:
             script = self.choose(scope["path"], parsed)
         script = script or self.default
+        if script.unique:
+            script = dataclasses.replace(script, prefix=f"{script.prefix}g{len(self.seen)}:")
         seen = Seen(
             method=scope["method"],
             path=scope["path"],
