@@ -1,9 +1,10 @@
 """A scripted upstream provider: a real HTTP server on 127.0.0.1, port 0.
 
 Each request's behaviour comes from a `Script`: by default from the JSON body's "script"
-object (clients pass it with `extra_body`), else the next one of `ScriptedUpstream.queue`
-(one per request, in arrival order: for clients whose retries resend byte-identical bodies,
-and for those that cannot add a field to the body), else `ScriptedUpstream.default`. Every
+object (clients pass it with `extra_body`), else from `ScriptedUpstream.choose` (for clients
+that cannot add a field, such as agents started as processes), else the next one of
+`ScriptedUpstream.queue` (one per request, in arrival order: for clients whose retries resend
+byte-identical bodies), else `ScriptedUpstream.default`. Every
 request is recorded as a `Seen`, with events a test can wait on: `gate` holds the stream
 between events until the test releases it, and `closed` is set the moment the server sees
 its client (the proxy) go away, with `events_sent` telling how far it got.
@@ -17,7 +18,7 @@ import dataclasses
 import json
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,9 @@ class Script:
     headers: dict[str, str] = field(default_factory=dict)  # extra response headers
     body: str | None = None  # a whole (non-SSE) body to send instead of the generated JSON
     content_type: str = "application/json"  # of `body`
+    json_body: Any = (
+        None  # the whole JSON body of a non-streaming answer, instead of the generated one
+    )
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> Script | None:
@@ -81,6 +85,11 @@ class Seen:
     sent_event: asyncio.Event = field(default_factory=asyncio.Event)
     _permits: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(0))
 
+    def __repr__(self) -> str:
+        # Short, so that a failed assertion on a list of requests stays readable.
+        state = "closed" if self.closed.is_set() else "finished" if self.finished else "open"
+        return f"<Seen {self.method} {self.path} events_sent={self.events_sent} {state}>"
+
     def release(self, n: int = 1) -> None:
         for _ in range(n):
             self._permits.release()
@@ -100,6 +109,8 @@ class ScriptedUpstream:
     def __init__(self) -> None:
         self.default = Script()
         self.queue: collections.deque[Script] = collections.deque()
+        # (path, parsed body) -> Script, or None for the default
+        self.choose: Callable[[str, Any], Script | None] | None = None
         self.seen: list[Seen] = []
         self.arrived = asyncio.Event()
         self.url = ""
@@ -126,9 +137,11 @@ class ScriptedUpstream:
             parsed = json.loads(body) if body else {}
         except ValueError:
             parsed = {}
-        script = (Script.from_body(parsed) if isinstance(parsed, dict) else None) or (
-            self.queue.popleft() if self.queue else self.default
-        )
+        script = Script.from_body(parsed) if isinstance(parsed, dict) else None
+        if script is None and self.choose is not None:
+            script = self.choose(scope["path"], parsed)
+        if script is None:
+            script = self.queue.popleft() if self.queue else self.default
         if script.unique:
             script = dataclasses.replace(script, prefix=f"{script.prefix}g{len(self.seen)}:")
         seen = Seen(
@@ -182,7 +195,10 @@ class ScriptedUpstream:
             await _send_whole(send, 200, script.body.encode(), script.content_type, script)
             return
         if not streaming:
-            payload = json.dumps(_whole_response(seen, script))
+            whole = (
+                script.json_body if script.json_body is not None else _whole_response(seen, script)
+            )
+            payload = json.dumps(whole)
             await _send_whole(send, 200, payload.encode(), "application/json", script)
             return
         await send(
