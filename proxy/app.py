@@ -30,7 +30,7 @@ from starlette.types import Send as ASGISend
 
 from proxy import dialects, egress, follow, logs, shutdown, status, tracing, turns
 from proxy.config import Config, UpstreamConfig
-from proxy.errors import BodyTooLarge, NoRoute, StreamfenceError, Unauthorized
+from proxy.errors import BodyTooLarge, NoRoute, StaleRetry, StreamfenceError, Unauthorized
 from proxy.follow import Attempt, Decision, Generations, Policy
 from proxy.generation import Ask, Budget, Generation
 from proxy.logs import Record
@@ -209,6 +209,8 @@ class ProxyEndpoint:
             return decision.generation, exchange
         if decision.action == follow.NOTHING_LEFT:
             raise NothingLeft
+        if decision.action == follow.STALE:
+            raise StaleRetry(decision.replaced_by)
         beside = decision.action == follow.BESIDE
         keyed = turn is not None and not beside
         stamp = keyed and (
@@ -233,6 +235,7 @@ class ProxyEndpoint:
             stamp_ids=stamp,
             followable=followable,
             retain_for=up.replay_window if followable else 0.0,
+            retired=_retired(decision.generation),
         )
         record.source = decision.how
         assert rt.generations is not None
@@ -248,14 +251,25 @@ class ProxyEndpoint:
         if turn is None:
             return Decision(follow.NEW)
         live = generations.lookup(turn.key)
+        now = time.monotonic()
         if live is None:
             if generations.nothing_left(turn.key, last_event_id):
                 return Decision(follow.NOTHING_LEFT)
+            replaced_by = generations.stale(turn.key, turn.body_fingerprint, now)
+            if replaced_by is not None:
+                return Decision(follow.STALE, replaced_by=replaced_by)
             return Decision(follow.NEW)
         attempt = Attempt(
             turn.body_fingerprint, turn.streaming, turn.source == "header", last_event_id
         )
-        return follow.decide(live, attempt, self.rt.policies[up.name], time.monotonic())
+        return follow.decide(live, attempt, self.rt.policies[up.name], now)
+
+
+def _retired(replaced: Generation | None) -> frozenset[str]:
+    """What a new generation replaces: the bodies a stale retry would repeat."""
+    if replaced is None or replaced.done or replaced.ask.body_hash is None:
+        return frozenset()
+    return replaced.ask.retired | {replaced.ask.body_hash}
 
 
 def _request_id(headers: list[tuple[bytes, bytes]]) -> str:

@@ -207,27 +207,14 @@ async def test_whole_request_beside_a_healthy_stream_of_the_same_body(world: Wor
     assert len(up.seen) == 2
 
 
-# Known proxy bug (reported to the lead): the 409 of the first question is retried by these
-# clients with the first question's body; under the same explicit X-Turn-Id that is "another
-# body", so the stale retry supersedes the edited question's generation and cuts its answer
-# (seen: 3 upstream requests, the winner cut after 4-7 of 10 tokens, the loser handed the
-# answer to the stale question). Strict: this fails loudly once the proxy is fixed.
-STALE_RETRY_CUTS = pytest.mark.xfail(
-    strict=True, reason="a stale retry under the same X-Turn-Id supersedes the newer body"
-)
-
-
-@pytest.mark.parametrize(
-    "world",
-    [pytest.param(c, marks=STALE_RETRY_CUTS) if ON_CONFLICT[c] is None else c for c in ALL_CLIENTS],
-    indirect=True,
-)
+@pytest.mark.parametrize("world", ALL_CLIENTS, indirect=True)
 async def test_stale_retry_under_the_same_turn_id_never_cuts_the_edited_answer(
     world: World,
 ) -> None:
     """Attempt 1 (turn t, the first question) stalls before its headers; the edited
     question under the same X-Turn-Id supersedes it (409). A client that retries by default
-    re-sends the FIRST question: that stale retry must not cut the edited answer."""
+    re-sends the FIRST question: that stale retry must not cut the edited answer (the
+    proxy refuses a repeat of a version the running generation replaced)."""
     up = world.upstream
     up.queue.extend([Script(hold_headers=True), winner_script(world)])
     a_task = world.start(world.call(turn="turn-9", prompt="first question"))
