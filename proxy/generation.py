@@ -177,10 +177,9 @@ class Generation:
                 self.completed = await upstream.read_events(
                     self.response, ask.upstream, ask.max_event_bytes, self._take
                 )
-            else:
-                with upstream.translate_errors(ask.upstream):
-                    async for chunk in self.response.aiter_raw():
-                        await self._take([chunk], stamp=False)
+            else:  # the body's own failures are ours already (upstream.UpstreamClient)
+                async for chunk in self.response.aiter_raw():
+                    await self._take([chunk], stamp=False)
                 self.completed = True
         except StreamfenceError as exc:
             self.error = exc
