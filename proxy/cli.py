@@ -139,6 +139,8 @@ def serve(config: Config, log_level: str) -> int:
         port=config.server.port,
         loop="uvloop",
         http="httptools",
+        ws="websockets-sansio",
+        ws_max_size=config.server.websocket_max_message_bytes,
         lifespan="on",
         access_log=False,
         log_level="warning",
