@@ -119,15 +119,15 @@ class ResponsesFence:
         attempt.owner = self
         self.rt.metrics.in_flight.inc()
         self.rt.begin(attempt)
-        self.lanes.setdefault(attempt.lane, deque()).append(attempt)
         try:
             await self._claim(attempt, data)
         except RegistryUnavailable as exc:
-            self._discard(attempt)
             attempt.record.error = exc.code
             await self.session.send_client(self._error_frame(attempt, exc))
             self._finish(attempt, "rejected", exc)
             raise FenceClose(1013, "streamfence: the turn registry is unavailable") from exc
+        # Only now: the attempt it supersedes (on this socket too) was fenced without it.
+        self.lanes.setdefault(attempt.lane, deque()).append(attempt)
 
     async def _claim(self, attempt: Attempt, data: str) -> None:
         sess = self.session
