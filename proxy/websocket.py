@@ -1,16 +1,14 @@
-"""WebSocket mode (CONTRACT section 8): an upgrade is routed like an HTTP request, opened
-upstream with the `websockets` library, and its frames relayed both ways unchanged.
+"""WebSocket mode (CONTRACT section 8): the relay of one accepted upgrade, frames both ways
+unchanged (proxy/wsupgrade.py routes and opens it).
 
     client (uvicorn)  ->  size check, fence admit (/v1/responses)  ->  upstream socket
     upstream socket   ->  fence check (per response)               ->  client
 
 The client is accepted only once the upstream has accepted, so that a refused upstream
-handshake reaches the client with the upstream's own status, headers and body (ASGI's
-"websocket.http.response" extension). A relay that cannot start at all answers 426 (404 /
-401 / 400 for no route, no access token, a bad turn id) with a JSON body in the caller's
-dialect, so that clients fall back to HTTP at once instead of retrying a bare 403.
-Each side negotiates permessage-deflate and answers pings itself; close codes and reasons
-pass through. websockets' errors are translated here, and only here.
+handshake reaches the client as it came. Each side negotiates permessage-deflate and
+answers pings itself; close codes and reasons pass through (1005/1006, which never appear
+in a close frame, become 1000 / 1014). A client that keeps one write blocked for
+`write_timeout` is dropped; a client message over `websocket_max_message_bytes` closes 1009.
 """
 
 from __future__ import annotations
@@ -18,18 +16,24 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.asyncio.client import ClientConnection
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.frames import EXTERNAL_CLOSE_CODES
 
-from proxy import dialects, turns
-from proxy.errors import NoRoute, StreamfenceError, Unauthorized
-from proxy.routing import RESERVED_PREFIX, Route, request_headers
+from proxy import dialects
+from proxy.errors import StreamfenceError, UpgradeUnavailable
 from proxy.wsfence import FenceClose, ResponsesFence, TwinTable
+from proxy.wsupgrade import (
+    Upgrade,
+    accept_headers,
+    open_upstream,
+    plan,
+    refuse,
+    refuse_with_upstream,
+)
 
 Message = dict[str, Any]
 Send = Callable[[Message], Awaitable[None]]
@@ -40,50 +44,7 @@ Task = Callable[..., Coroutine[Any, Any, None]]
 
 log = logging.getLogger("streamfence")
 
-# The handshake of each hop is its own: websockets writes the upstream one.
-HANDSHAKE_HEADERS = frozenset(
-    {
-        b"sec-websocket-key",
-        b"sec-websocket-version",
-        b"sec-websocket-extensions",
-        b"sec-websocket-accept",
-        b"sec-websocket-protocol",
-        b"user-agent",  # passed as websockets' user_agent_header instead (no duplicate)
-    }
-)
-# Upstream handshake response headers that describe the upstream hop, not the client's.
-_HOP_RESPONSE = frozenset(
-    {"connection", "upgrade", "content-length", "date", "server", "transfer-encoding"}
-)
-CLOSE_GOING_AWAY, CLOSE_BAD_GATEWAY, CLOSE_TOO_BIG, CLOSE_INTERNAL = 1001, 1014, 1009, 1011
-
-
-class UpgradeUnavailable(StreamfenceError):
-    """The relay could not start: 426, so clients fall back to HTTP at once."""
-
-    status = 426
-    code = "websocket_unavailable"
-
-
-@dataclass(slots=True)
-class Upgrade:
-    """One accepted upgrade request: where it goes and what crosses."""
-
-    route: Route
-    url: str  # ws:// or wss://
-    client_headers: Headers  # as the client sent them: credential scope, turn header
-    query: str
-    headers: Headers  # the client's, as they go upstream
-    user_agent: str | None
-    subprotocols: list[str]
-    dialect: str
-    fenced: bool  # /v1/responses: each response.create is an attempt
-
-
-def ws_url(http_url: str) -> str:
-    if http_url.startswith("https://"):
-        return "wss://" + http_url[len("https://") :]
-    return "ws://" + http_url[len("http://") :]
+CLOSE_BAD_GATEWAY, CLOSE_TOO_BIG = 1014, 1009
 
 
 def sendable(code: int | None) -> bool:
@@ -107,25 +68,25 @@ class WebSocketEndpoint:
         dialect = dialects.detect(path)
         name = "-"
         try:
-            upgrade = self._plan(scope, path)
+            upgrade = plan(rt, scope, path)
             name, dialect = upgrade.route.upstream.name, upgrade.dialect
-            conn = await self.open(upgrade)
+            conn = await open_upstream(upgrade)
         except InvalidStatus as exc:
             rt.metrics.ws_connections.labels(name, "refused").inc()
-            await _refuse_with_upstream(scope, send, exc)
+            await refuse_with_upstream(scope, send, exc)
             return
         except StreamfenceError as exc:
             outcome = "unreachable" if isinstance(exc, UpgradeUnavailable) else "rejected"
             rt.metrics.ws_connections.labels(name, outcome).inc()
             log.info("streamfence: websocket upgrade %s not relayed: %s", path, exc.message)
-            await _refuse(scope, send, exc, dialect)
+            await refuse(scope, send, exc, dialect)
             return
         rt.metrics.ws_connections.labels(name, "accepted").inc()
         await send(
             {
                 "type": "websocket.accept",
                 "subprotocol": conn.subprotocol,
-                "headers": _accept_headers(conn),
+                "headers": accept_headers(conn),
             }
         )
         session = Session(self, upgrade, conn, receive, send)
@@ -134,59 +95,6 @@ class WebSocketEndpoint:
             await session.run()
         finally:
             rt.metrics.ws_open.dec()
-
-    def _plan(self, scope: Message, path: str) -> Upgrade:
-        rt = self.rt
-        if path == RESERVED_PREFIX or path.startswith(RESERVED_PREFIX + "/"):
-            raise NoRoute("streamfence: no such endpoint under /_streamfence/")
-        headers: Headers = scope["headers"]
-        if not rt.authorized(headers):
-            raise Unauthorized(
-                "streamfence: this proxy needs its access token in the x-streamfence-token header"
-            )
-        query = scope.get("query_string", b"").decode("latin-1")
-        route = rt.router.route(path, query)
-        turns.explicit_turn_id(headers, rt.turn_header)  # validated now: 400 before accepting
-        dialect = dialects.detect(route.path, route.upstream.dialect)
-        out = request_headers(headers, rt.drop_headers | HANDSHAKE_HEADERS)
-        user_agent = next((v.decode("latin-1") for n, v in headers if n == b"user-agent"), None)
-        return Upgrade(
-            route=route,
-            url=ws_url(route.url),
-            client_headers=headers,
-            query=query,
-            headers=out,
-            user_agent=user_agent,
-            subprotocols=list(scope.get("subprotocols") or []),
-            dialect=dialect,
-            fenced=dialect == dialects.OPENAI_RESPONSES and route.path.endswith("/responses"),
-        )
-
-    async def open(self, upgrade: Upgrade) -> ClientConnection:
-        """The upstream socket; the one boundary where websockets' errors are translated
-        (InvalidStatus passes: the caller relays the upstream's refusal as it is)."""
-        up = upgrade.route.upstream
-        try:
-            return await connect(
-                upgrade.url,
-                additional_headers=[
-                    (n.decode("latin-1"), v.decode("latin-1")) for n, v in upgrade.headers
-                ],
-                user_agent_header=upgrade.user_agent,
-                subprotocols=upgrade.subprotocols or None,  # type: ignore[arg-type]
-                open_timeout=up.connect_timeout,
-                max_size=up.max_event_bytes,
-                close_timeout=1.0,
-            )
-        except InvalidStatus:
-            raise
-        except (OSError, TimeoutError, InvalidHandshake, InvalidURI) as exc:
-            cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            log.warning("streamfence: upstream %s websocket unreachable: %s", up.name, cause)
-            raise UpgradeUnavailable(
-                f"streamfence: the upstream {up.name!r} could not be reached over WebSocket "
-                "(use HTTP for this request)"
-            ) from exc
 
 
 class Session:
@@ -291,7 +199,7 @@ class Session:
             if conn is None:
                 # The fence closed the previous upstream socket: a new one for this message.
                 try:
-                    conn = self.conn = await self.endpoint.open(self.upgrade)
+                    conn = self.conn = await open_upstream(self.upgrade)
                 except (StreamfenceError, InvalidStatus):
                     if self.fence is not None:
                         self.fence.forward_failed()
@@ -383,52 +291,3 @@ class Session:
 async def _close_quietly(conn: ClientConnection) -> None:
     with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
         await conn.close(1000, "streamfence: response superseded")
-
-
-def _accept_headers(conn: ClientConnection) -> Headers:
-    response = conn.response
-    if response is None:
-        return []
-    return [
-        (name.lower().encode("latin-1"), value.encode("latin-1"))
-        for name, value in response.headers.raw_items()
-        if name.lower() not in _HOP_RESPONSE and not name.lower().startswith("sec-websocket-")
-    ]
-
-
-def _can_respond(scope: Message) -> bool:
-    return "websocket.http.response" in (scope.get("extensions") or {})
-
-
-async def _refuse(scope: Message, send: Send, error: StreamfenceError, dialect: str) -> None:
-    if not _can_respond(scope):
-        await send({"type": "websocket.close", "code": 1008, "reason": error.code})
-        return
-    body = dialects.error_body(dialect, error)
-    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-    await send(
-        {"type": "websocket.http.response.start", "status": error.status, "headers": headers}
-    )
-    await send({"type": "websocket.http.response.body", "body": body})
-
-
-async def _refuse_with_upstream(scope: Message, send: Send, exc: InvalidStatus) -> None:
-    response = exc.response
-    if not _can_respond(scope):
-        await send({"type": "websocket.close", "code": 1008, "reason": "upstream refused"})
-        return
-    body = bytes(response.body or b"")
-    headers = [
-        (name.lower().encode("latin-1"), value.encode("latin-1"))
-        for name, value in response.headers.raw_items()
-        if name.lower() not in _HOP_RESPONSE
-    ]
-    headers.append((b"content-length", b"%d" % len(body)))
-    await send(
-        {
-            "type": "websocket.http.response.start",
-            "status": response.status_code,
-            "headers": headers,
-        }
-    )
-    await send({"type": "websocket.http.response.body", "body": body})
