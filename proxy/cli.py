@@ -11,10 +11,10 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from proxy import __version__, shutdown
+from proxy import __version__, egress, shutdown
 from proxy.config import Config, ConfigError, from_dict, load
 
 if TYPE_CHECKING:
@@ -55,7 +55,23 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if args.registry_url:
         overrides["registry.backend"] = "redis"
         overrides["registry.url"] = args.registry_url
-    return load(args.config, overrides=overrides)
+    config = load(args.config, overrides=overrides)
+    from proxy.upstream import ssl_context_for  # noqa: PLC0415 - imports httpx: not for --help
+
+    # The environment's proxy URLs and CA certificates are checked now, not when the
+    # server starts (a traceback) or at the first request.
+    problems = []
+    for check in (
+        lambda: egress.plan(config, os.environ),
+        lambda: ssl_context_for(config.server.ca_bundle, os.environ),
+    ):
+        try:
+            check()
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError(problems)
+    return config
 
 
 def setup_logging(level: str) -> None:
@@ -89,7 +105,7 @@ def _without_userinfo(url: str) -> str:
     return f"{scheme}{sep}{authority.rpartition('@')[2]}{slash}{path}"
 
 
-def startup_lines(config: Config) -> list[str]:
+def startup_lines(config: Config, environ: Mapping[str, str] | None = None) -> list[str]:
     s = config.server
     lines = [f"streamfence {__version__} listening on http://{s.host}:{s.port}"]
     if s.workers > 1:
@@ -97,6 +113,9 @@ def startup_lines(config: Config) -> list[str]:
     for up in config.upstream:
         url = _without_userinfo(up.url)
         lines.append(f"  upstream {up.name!r}: {up.prefix} -> {url} (dialect {up.dialect})")
+    lines += egress.startup_lines(config, os.environ if environ is None else environ)
+    if s.ca_bundle:
+        lines.append(f"  upstream CA certificates: {s.ca_bundle}")
     reg = config.registry
     where = ""
     if reg.backend == "redis":
@@ -192,7 +211,7 @@ def check_config(argv: Sequence[str]) -> int:
         print(f"{path}: {len(exc.problems)} problem(s) found", file=sys.stderr)
         return 1
     print(f"{path}: ok")
-    for line in startup_lines(config):
+    for line in startup_lines(config, environ={}):
         print(f"  {line.strip()}")
     return 0
 

@@ -25,9 +25,11 @@ class Record:
     attempt: int = 0
     status: int = 0
     outcome: str = "pending"  # completed | superseded | client_gone | upstream_error | rejected
+    # | shutdown
     error: str = ""  # an errors.* code when the request failed
+    cause: str = ""  # an upstream failure's cause and address (errors.UpstreamError.cause)
     streaming: bool = False
-    source: str = "upstream"  # upstream | joined | resumed | replayed (proxy/join.py)
+    source: str = "upstream"  # upstream | beside | followed | resumed | replayed (proxy/follow.py)
     bytes_out: int = 0
     events: int = 0
     dropped: int = 0

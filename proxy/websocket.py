@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import ssl
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -25,6 +27,7 @@ from websockets.frames import EXTERNAL_CLOSE_CODES
 
 from proxy import dialects
 from proxy.errors import StreamfenceError, UpgradeUnavailable
+from proxy.upstream import ssl_context_for
 from proxy.wsfence import FenceClose, ResponsesFence, TwinTable
 from proxy.wsupgrade import (
     Upgrade,
@@ -58,6 +61,14 @@ class WebSocketEndpoint:
     def __init__(self, runtime: Any) -> None:
         self.rt = runtime  # proxy.app.Runtime (not imported: app imports this module)
         self.twins = TwinTable()
+        self._context: ssl.SSLContext | None = None
+        self._context_read = False
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        if not self._context_read:  # once: loading a CA bundle takes milliseconds
+            self._context = ssl_context_for(self.rt.config.server.ca_bundle, os.environ)
+            self._context_read = True
+        return self._context
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         if (await receive())["type"] != "websocket.connect":
@@ -68,7 +79,7 @@ class WebSocketEndpoint:
         dialect = dialects.detect(path)
         name = "-"
         try:
-            upgrade = plan(rt, scope, path)
+            upgrade = plan(rt, scope, path, self.ssl_context())
             name, dialect = upgrade.route.upstream.name, upgrade.dialect
             conn = await open_upstream(upgrade)
         except InvalidStatus as exc:

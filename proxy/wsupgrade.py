@@ -2,17 +2,20 @@
 
 An upgrade is routed like an HTTP request (prefix, upstream, access token, turn header
 validated) and opened upstream with `websockets`: `wss://` for an `https://` upstream,
-through the egress proxy of HTTPS_PROXY / HTTP_PROXY when one is set (websockets reads
-them as httpx does), permessage-deflate offered. websockets' errors are translated here,
-and only here. A refused upstream handshake is passed to the client as it came (status,
-headers, body) with ASGI's "websocket.http.response" extension; an upgrade that cannot be
-relayed at all gets 426 (404 / 401 / 400 for no route, no access token, a bad turn id) with
-a JSON body in the caller's dialect, so that clients fall back to HTTP at once.
+through the egress proxy that proxy/egress.py chooses for HTTP too (`egress_proxy`, else
+HTTPS_PROXY / HTTP_PROXY / NO_PROXY), with the configured CA bundle; permessage-deflate
+offered. websockets' errors are translated here, and only here. A refused upstream
+handshake is passed to the client as it came (status, headers, body) with ASGI's
+"websocket.http.response" extension; an upgrade that cannot be relayed at all gets 426
+(404 / 401 / 400 for no route, no access token, a bad turn id) with a JSON body in the
+caller's dialect, so that clients fall back to HTTP at once.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +23,7 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidHandshake, InvalidStatus, InvalidURI
 
-from proxy import dialects, turns
+from proxy import dialects, egress, turns
 from proxy.errors import NoRoute, StreamfenceError, Unauthorized, UpgradeUnavailable
 from proxy.routing import RESERVED_PREFIX, Route, request_headers
 
@@ -60,6 +63,8 @@ class Upgrade:
     subprotocols: list[str]
     dialect: str
     fenced: bool  # /v1/responses: each response.create is an attempt
+    proxy: str | None = None  # the egress proxy's URL (with its credentials), None: direct
+    ssl: ssl.SSLContext | None = None  # wss:// only; None: websockets' default context
 
 
 def ws_url(http_url: str) -> str:
@@ -68,8 +73,9 @@ def ws_url(http_url: str) -> str:
     return "ws://" + http_url[len("http://") :]
 
 
-def plan(rt: Any, scope: Message, path: str) -> Upgrade:
-    """Route an upgrade like an HTTP request; raises what the client is answered with."""
+def plan(rt: Any, scope: Message, path: str, context: ssl.SSLContext | None) -> Upgrade:
+    """Route an upgrade like an HTTP request; raises what the client is answered with.
+    `context`: the CA bundle's ([server] ca_bundle, SSL_CERT_FILE / SSL_CERT_DIR)."""
     if path == RESERVED_PREFIX or path.startswith(RESERVED_PREFIX + "/"):
         raise NoRoute("streamfence: no such endpoint under /_streamfence/")
     headers: Headers = scope["headers"]
@@ -83,9 +89,12 @@ def plan(rt: Any, scope: Message, path: str) -> Upgrade:
     dialect = dialects.detect(route.path, route.upstream.dialect)
     out = request_headers(headers, rt.drop_headers | HANDSHAKE_HEADERS)
     user_agent = next((v.decode("latin-1") for n, v in headers if n == b"user-agent"), None)
+    # Validated at startup (config.check): a bad setting cannot get this far.
+    choice = egress.choose(route.upstream, rt.config.server.egress_proxy, os.environ, "upstream")
+    url = ws_url(route.url)
     return Upgrade(
         route=route,
-        url=ws_url(route.url),
+        url=url,
         client_headers=headers,
         query=query,
         headers=out,
@@ -93,6 +102,8 @@ def plan(rt: Any, scope: Message, path: str) -> Upgrade:
         subprotocols=list(scope.get("subprotocols") or []),
         dialect=dialect,
         fenced=dialect == dialects.OPENAI_RESPONSES and route.path.endswith("/responses"),
+        proxy=None if choice.proxy is None else choice.proxy.url,
+        ssl=context if url.startswith("wss://") else None,
     )
 
 
@@ -100,6 +111,7 @@ async def open_upstream(upgrade: Upgrade) -> ClientConnection:
     """The upstream socket; the one boundary where websockets' errors are translated
     (InvalidStatus passes: the caller relays the upstream's refusal as it is)."""
     up = upgrade.route.upstream
+    extra: dict[str, Any] = {} if upgrade.ssl is None else {"ssl": upgrade.ssl}
     try:
         return await connect(
             upgrade.url,
@@ -111,6 +123,8 @@ async def open_upstream(upgrade: Upgrade) -> ClientConnection:
             open_timeout=up.connect_timeout,
             max_size=up.max_event_bytes,
             close_timeout=1.0,
+            proxy=upgrade.proxy,
+            **extra,
         )
     except InvalidStatus:
         raise

@@ -22,6 +22,8 @@ from tests.ws_upstream import WsUpstream, ws_upstream
 # The scripted upstream reads each message's "script"; a retry of a turn may script its answer
 # differently and must still be the same request: the fingerprint ignores it.
 SCRIPT = {"turns.ignore_fields": "stream,stream_options,timeout,script"}
+# Every identical repeat supersedes (for tests of the fence itself, not of on_retry).
+SUPERSEDE = {**SCRIPT, "upstream.on_retry": "supersede"}
 FORBIDDEN = (
     "terminated",
     "connection lost",
@@ -89,13 +91,14 @@ async def test_plain_turn_and_outcome_counted(wsup: WsUpstream, make_proxy: Prox
 async def test_stall_retry_over_a_second_socket_fences_the_first(
     wsup: WsUpstream, make_proxy: ProxyFactory
 ) -> None:
-    async with make_proxy(wsup.url, **SCRIPT) as proxy:
+    async with make_proxy(wsup.url, **SCRIPT, **{"upstream.healthy_within": 0.2}) as proxy:
         first = await connect(ws_url(proxy))
         await first.send(create("same", gated=True, tokens=5, prefix="a"))
         gen1 = (await wsup.wait_gens(1))[0]
         gen1.release(1)
         got = [json.loads(await first.recv()) for _ in range(3)]  # created, item added, delta
         assert got[-1]["type"] == "response.output_text.delta"
+        await asyncio.sleep(0.3)  # the stall itself: no event for longer than healthy_within
 
         async with connect(ws_url(proxy)) as second:
             await second.send(create("same", tokens=2, prefix="b"))
@@ -244,7 +247,7 @@ async def test_client_leaving_mid_response_closes_upstream_and_releases(
 async def test_lanes_a_fenced_response_leaves_the_other_lane_streaming(
     wsup: WsUpstream, make_proxy: ProxyFactory
 ) -> None:
-    async with make_proxy(wsup.url, **SCRIPT) as proxy:
+    async with make_proxy(wsup.url, **SUPERSEDE) as proxy:
         async with connect(ws_url(proxy)) as ws:
             lane_a = json.loads(create("a", gated=True, tokens=2, prefix="a"))
             lane_b = json.loads(create("b", gated=True, tokens=2, prefix="b"))

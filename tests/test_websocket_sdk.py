@@ -16,6 +16,8 @@ from tests.conftest import Proxy, ProxyFactory
 from tests.ws_upstream import WsUpstream, ws_upstream
 
 SCRIPT = {"turns.ignore_fields": "stream,stream_options,timeout,metadata"}
+# Every identical repeat supersedes: these tests are about the fence, not about on_retry.
+SUPERSEDE = {**SCRIPT, "upstream.on_retry": "supersede"}
 
 if not hasattr(AsyncOpenAI(api_key="x").responses, "connect"):  # pragma: no cover
     pytest.skip("this openai SDK has no Responses WebSocket mode", allow_module_level=True)
@@ -84,7 +86,7 @@ async def test_previous_response_id_chain_on_one_socket(
 async def test_fenced_response_raises_in_the_sdk_and_the_winner_completes(
     wsup: WsUpstream, make_proxy: ProxyFactory
 ) -> None:
-    async with make_proxy(wsup.url, **SCRIPT) as proxy:
+    async with make_proxy(wsup.url, **SUPERSEDE) as proxy:
         client = sdk(proxy)
         async with client.responses.connect() as first:
             await first.send(create("same", gated=True, tokens=3))  # type: ignore[arg-type]
@@ -110,7 +112,7 @@ async def test_chain_after_the_fence_reopened_the_upstream_socket(
     cancel message). A stored response still chains on the new socket; with store=false the
     connection-local cache went with the old socket, and the upstream answers
     previous_response_not_found: the client starts the chain again with full input."""
-    async with make_proxy(wsup.url, **SCRIPT) as proxy:
+    async with make_proxy(wsup.url, **SUPERSEDE) as proxy:
         client = sdk(proxy)
         async with client.responses.connect() as conn:
             await conn.send({**create("one", tokens=1), "store": store})  # type: ignore[arg-type]

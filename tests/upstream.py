@@ -10,6 +10,7 @@ its client (the proxy) go away, with `events_sent` telling how far it got.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import time
@@ -35,6 +36,9 @@ class Script:
     raw: list[str] | None = None  # exact SSE text to send instead of generated events
     raw_bytes: list[bytes] | None = None
     prefix: str = ""  # token prefix, so two attempts' texts are told apart
+    # Prefix the tokens with this request's number as well ("g<n>:"): identical requests
+    # that reach the upstream (new generations of one turn) still answer apart.
+    unique: bool = False
     headers: dict[str, str] = field(default_factory=dict)  # extra response headers
 
     @classmethod
@@ -113,6 +117,8 @@ class ScriptedUpstream:
         except ValueError:
             parsed = {}
         script = (Script.from_body(parsed) if isinstance(parsed, dict) else None) or self.default
+        if script.unique:
+            script = dataclasses.replace(script, prefix=f"{script.prefix}g{len(self.seen)}:")
         seen = Seen(
             method=scope["method"],
             path=scope["path"],
