@@ -19,6 +19,7 @@ kept and the superseded response's events are dropped until it ends (counted and
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections import deque
@@ -41,6 +42,7 @@ TERMINAL = frozenset({"response.completed", "response.failed", "response.incompl
 # Envelope fields of a WebSocket message that an HTTP body of the same request does not have.
 ENVELOPE = ("type", "stream_id")
 CLOSE_UNSUPPORTED, CLOSE_POLICY = 1003, 1008
+_MAYBE_TERMINAL = re.compile(r'"(?:response\.(?:completed|failed|incomplete)|error)"')
 
 
 class FenceClose(Exception):
@@ -177,13 +179,22 @@ class ResponsesFence:
         self._pending, self._terminal = None, False
         if isinstance(data, bytes):
             return True
-        try:
-            event: Any = json.loads(data)
-        except (ValueError, RecursionError):
-            return True  # not an event of a response: relayed as it came
-        if not isinstance(event, dict):
-            return True
-        lane = event.get("stream_id")
+        if not self.lanes:
+            return True  # no response in flight: nothing to attribute (steer answers...)
+        lane: Any = None
+        terminal = False
+        # Most events are deltas of the one response in flight: only those that may end a
+        # response or name a lane are parsed (a JSON string value "response.completed" keeps
+        # its quotes unescaped; the same words inside a delta's text are escaped or bare).
+        if _MAYBE_TERMINAL.search(data) or '"stream_id"' in data:
+            try:
+                event: Any = json.loads(data)
+            except (ValueError, RecursionError):
+                return True  # not an event of a response: relayed as it came
+            if not isinstance(event, dict):
+                return True
+            lane = event.get("stream_id")
+            terminal = event.get("type") in TERMINAL
         queue = self.lanes.get(lane if isinstance(lane, str) else None)
         if not queue:
             return True
@@ -193,7 +204,6 @@ class ResponsesFence:
         if attempt.record.upstream_headers_at is None:
             attempt.record.upstream_headers_at = now
         attempt.started = True
-        terminal = event.get("type") in TERMINAL
         if attempt.fenced:
             attempt.record.dropped += 1
             if terminal:
@@ -287,6 +297,8 @@ class ResponsesFence:
         queue = self.lanes.get(attempt.lane)
         if queue is not None and attempt in queue:
             queue.remove(attempt)
+            if not queue:
+                del self.lanes[attempt.lane]
 
     def _finish(
         self, attempt: Attempt, outcome: str, error: StreamfenceError | None = None
