@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import itertools
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +82,8 @@ class WsUpstream:
         self.stored: set[str] = set()
         self.refuse: tuple[int, dict[str, str], bytes] | None = None
         self.echo = False  # every message is sent back as it came (the relay tests)
+        # The script of a request that names none itself (agents send what they send).
+        self.choose: Callable[[dict[str, Any]], dict[str, Any]] | None = None
         self._ids = itertools.count(1)
         self._new_gen = asyncio.Condition()
         self._new_conn = asyncio.Condition()
@@ -156,6 +158,8 @@ class WsUpstream:
         raw = request.get("script") or json.loads(
             (request.get("metadata") or {}).get("script", "{}")
         )
+        if not raw and self.choose is not None:
+            raw = self.choose(request)
         script = Script(**raw)
         lane = request.get("stream_id")
         gen = Gen(f"resp_{next(self._ids)}", request, conn, script)
