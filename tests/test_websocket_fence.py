@@ -328,3 +328,27 @@ async def test_client_that_never_reads_is_dropped_and_leaks_nothing(
         labels = {"upstream": "default", "dialect": "openai-responses", "outcome": "client_gone"}
         assert metric(proxy, "streamfence_requests_total", **labels) == 1
         ws.transport.abort()
+
+
+async def test_a_queued_response_behind_a_fenced_one_is_sent_again_on_the_new_socket(
+    wsup: WsUpstream, make_proxy: ProxyFactory
+) -> None:
+    async with make_proxy(wsup.url, **SUPERSEDE) as proxy:
+        async with connect(ws_url(proxy)) as ws:
+            await ws.send(create("first", gated=True, tokens=2, prefix="a"))
+            await ws.send(create("queued behind it", tokens=2, prefix="q"))  # same lane: waits
+            gen1 = (await wsup.wait_gens(1))[0]
+            await opening(ws)
+            async with connect(ws_url(proxy)) as other:
+                await other.send(create("first", tokens=1, prefix="z"))
+                error = json.loads(await ws.recv())
+                assert error["type"] == "error" and error["code"] == "stream_superseded"
+                await events_until_end(other)
+            events = await events_until_end(ws)
+            assert text_of(events) == "q0 q1 " and events[-1]["type"] == "response.completed"
+            assert gen1.cut
+            conns = await wsup.wait_conns(3)
+            queued = [c for c in conns if any("queued" in str(m) for m in c.messages)]
+            assert len(queued) == 2  # sent on the first upstream socket, then again on the new
+        await proxy.runtime.wait_idle()
+        assert proxy.runtime.registry.live_keys() == 0
