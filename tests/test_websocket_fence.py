@@ -15,7 +15,9 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from proxy.errors import ShuttingDown
 from tests.conftest import Proxy, ProxyFactory
+from tests.redis_server import REDIS_SERVER, running_redis
 from tests.upstream import ScriptedUpstream
 from tests.ws_upstream import WsUpstream, ws_upstream
 
@@ -352,3 +354,54 @@ async def test_a_queued_response_behind_a_fenced_one_is_sent_again_on_the_new_so
             assert len(queued) == 2  # sent on the first upstream socket, then again on the new
         await proxy.runtime.wait_idle()
         assert proxy.runtime.registry.live_keys() == 0
+
+
+async def test_shutdown_ends_a_running_response_with_an_error_and_closes_1001(
+    wsup: WsUpstream, make_proxy: ProxyFactory
+) -> None:
+    async with make_proxy(wsup.url, **SCRIPT) as proxy:
+        ws = await connect(ws_url(proxy))
+        await ws.send(create("long", gated=True))
+        gen = (await wsup.wait_gens(1))[0]
+        await opening(ws)
+        for attempt in list(proxy.runtime.active):  # what the shutdown drain does at its deadline
+            attempt.abort(ShuttingDown("streamfence: the proxy is shutting down"))
+        error = json.loads(await ws.recv())
+        assert error["type"] == "error" and error["code"] == "shutting_down"
+        with pytest.raises(ConnectionClosed) as closed:
+            await ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001
+        await asyncio.wait_for(gen.over.wait(), 1)
+        await proxy.runtime.wait_idle()
+        assert proxy.runtime.registry.live_keys() == 0
+        labels = {"upstream": "default", "dialect": "openai-responses", "outcome": "shutdown"}
+        assert metric(proxy, "streamfence_requests_total", **labels) == 1
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
+async def test_redis_registry_fences_a_websocket_response_from_another_proxy(
+    wsup: WsUpstream, upstream: ScriptedUpstream, make_proxy: ProxyFactory
+) -> None:
+    with running_redis() as server:
+        shared = {"registry.backend": "redis", "registry.url": server.url}
+        async with (
+            make_proxy(wsup.url, **SCRIPT, **shared) as over_ws,
+            make_proxy(upstream.url, **shared) as over_http,
+        ):
+            for p in (over_ws, over_http):
+                await asyncio.wait_for(p.runtime.registry.wait_subscribed(), 5)  # type: ignore[attr-defined]
+            turn = {"X-Turn-Id": "shared-turn", "Authorization": "Bearer sk-1"}
+            ws = await connect(ws_url(over_ws), additional_headers=turn)
+            await ws.send(create("on proxy one", gated=True))
+            gen = (await wsup.wait_gens(1))[0]
+            await opening(ws)
+            async with httpx.AsyncClient(base_url=over_http.url, timeout=10) as http:
+                body = {"model": "m", "input": "on proxy two", "stream": True}
+                r = await http.post("/v1/responses", json=body, headers=turn)
+                assert r.status_code == 200 and "response.completed" in r.text
+            error = json.loads(await ws.recv())
+            assert error["type"] == "error" and error["code"] == "stream_superseded"
+            await asyncio.wait_for(gen.over.wait(), 1)
+            assert gen.cut
+            await ws.close()
+            await over_ws.runtime.wait_idle()
