@@ -132,6 +132,7 @@ class ResponsesFence:
         self.lanes.setdefault(attempt.lane, deque()).append(attempt)
 
     async def _claim(self, attempt: Attempt, data: str) -> None:
+        self.rt.metrics.generations.labels(self.up.name).inc()  # each goes upstream
         sess = self.session
         ignore = (*self.rt.config.turns.ignore_fields, *ENVELOPE)
         turn = turns.resolve(
@@ -152,7 +153,9 @@ class ResponsesFence:
         )
         running = self.twins.running(turn.key)
         if running is not None and self._beside(running, attempt):
-            attempt.record.source = "upstream"
+            # Beside, not following: a follower's later previous_response_id would name a
+            # response its own upstream socket never saw (store=false: not found there).
+            attempt.record.source = "beside"
             return  # forwarded beside the running twin: fences nobody, fenced by nobody
         attempt.lease = lease = await self.rt.registry.claim(turn.key)
         attempt.record.attempt = lease.attempt

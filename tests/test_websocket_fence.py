@@ -208,6 +208,8 @@ async def test_identical_twins_over_two_sockets_both_complete_when_healthy(
         await b.close()
         await proxy.runtime.wait_idle()
         assert metric(proxy, "streamfence_supersedes_total", upstream="default") == 0
+        assert metric(proxy, "streamfence_generations_total", upstream="default") == 2
+        assert len(wsup.gens) == 2  # beside: each asked upstream on its own socket
 
 
 async def test_identical_retry_of_a_stalled_response_supersedes_it_under_adaptive(
