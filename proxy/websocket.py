@@ -219,6 +219,10 @@ class Session:
                 self.spawn(self._from_upstream, conn)
                 if self.fence is not None:
                     again, self.fence.resend = self.fence.resend, []
+            if data is not None:
+                # The fence may have listed this very message to send again while this call
+                # waited for the lock: it goes once.
+                again = [m for m in again if m is not data]
             with contextlib.suppress(ConnectionClosed):  # its reader reports the close
                 for message in again if data is None else [*again, data]:
                     await conn.send(message)

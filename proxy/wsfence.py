@@ -149,7 +149,7 @@ class ResponsesFence:
             return
         attempt.record.turn = turn.short
         attempt.body_fp = turn.body_fingerprint or turns.fingerprint(
-            self.up.name, sess.upgrade.route.path, data.encode(), ignore
+            self.up.name, sess.upgrade.route.path, data.encode("utf-8", "surrogatepass"), ignore
         )
         running = self.twins.running(turn.key)
         if running is not None and self._beside(running, attempt):
