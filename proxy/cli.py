@@ -159,7 +159,7 @@ def serve(config: Config, log_level: str) -> int:
         loop="uvloop",
         http="httptools",
         ws="websockets-sansio",
-        ws_max_size=config.server.websocket_max_message_bytes,
+        ws_max_size=config.server.websocket_max_message_bytes + 1,  # the app says 1009 itself
         lifespan="on",
         access_log=False,
         log_level="warning",

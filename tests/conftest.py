@@ -68,7 +68,8 @@ def make_proxy() -> ProxyFactory:
         config = load(env={}, overrides=flat)
         app = create_app(config, **app_kw)
         # WebSocket mode as the CLI serves it (tests/upstream.py's default is ws="none").
-        ws = {"ws": "websockets-sansio", "ws_max_size": config.server.websocket_max_message_bytes}
+        limit = config.server.websocket_max_message_bytes
+        ws = {"ws": "websockets-sansio", "ws_max_size": limit + 1}  # as proxy/cli.py
         async with serve(app, **ws) as (url, _server):
             yield Proxy(url, app.state.runtime)
 

@@ -246,6 +246,7 @@ async def test_client_message_over_the_limit_closes_1009(
             with pytest.raises(ConnectionClosed) as closed:
                 await ws.recv()
             assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+            assert closed.value.rcvd.reason == "streamfence: message over 1000 bytes"
         conn = (await wsup.wait_conns(1))[0]
         await conn.closed.wait()
         assert conn.messages == ["y" * 1000]

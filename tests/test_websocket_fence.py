@@ -18,7 +18,7 @@ from websockets.exceptions import ConnectionClosed
 from proxy.errors import ShuttingDown
 from tests.conftest import Proxy, ProxyFactory
 from tests.redis_server import REDIS_SERVER, running_redis
-from tests.upstream import ScriptedUpstream
+from tests.upstream import ScriptedUpstream, free_port
 from tests.ws_upstream import WsUpstream, ws_upstream
 
 # The scripted upstream reads each message's "script"; a retry of a turn may script its answer
@@ -407,3 +407,56 @@ async def test_redis_registry_fences_a_websocket_response_from_another_proxy(
             assert gen.cut
             await ws.close()
             await over_ws.runtime.wait_idle()
+
+
+async def test_upstream_dropping_the_connection_closes_the_client_1014(
+    wsup: WsUpstream, make_proxy: ProxyFactory
+) -> None:
+    async with make_proxy(wsup.url, **SCRIPT) as proxy, connect(ws_url(proxy)) as ws:
+        await ws.send(create("cut", abort=True))
+        assert json.loads(await ws.recv())["type"] == "response.created"
+        with pytest.raises(ConnectionClosed) as closed:
+            await ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1014
+        await proxy.runtime.wait_idle()
+        labels = {"upstream": "default", "dialect": "openai-responses", "outcome": "upstream_error"}
+        assert metric(proxy, "streamfence_requests_total", **labels) == 1
+        assert proxy.runtime.registry.live_keys() == 0
+
+
+async def test_upstream_refusing_the_reopen_after_a_fence_closes_the_client_1014(
+    wsup: WsUpstream, make_proxy: ProxyFactory
+) -> None:
+    async with make_proxy(wsup.url, **SUPERSEDE) as proxy, connect(ws_url(proxy)) as ws:
+        await ws.send(create("one", gated=True))
+        await wsup.wait_gens(1)
+        await opening(ws)
+        async with connect(ws_url(proxy)) as other:
+            await other.send(create("one", tokens=1))
+            assert json.loads(await ws.recv())["code"] == "stream_superseded"
+            await events_until_end(other)
+        wsup.refuse = (503, {}, b"down")
+        await ws.send(create("next", tokens=1))
+        with pytest.raises(ConnectionClosed) as closed:
+            await ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1014
+        await proxy.runtime.wait_idle()
+        assert proxy.runtime.registry.live_keys() == 0
+
+
+async def test_registry_unavailable_fail_closed_answers_the_response_and_closes_1013(
+    wsup: WsUpstream, make_proxy: ProxyFactory
+) -> None:
+    dead = {
+        "registry.backend": "redis",
+        "registry.url": f"redis://127.0.0.1:{free_port()}/0",
+        "registry.on_unavailable": "fail_closed",
+    }
+    async with make_proxy(wsup.url, **SCRIPT, **dead) as proxy, connect(ws_url(proxy)) as ws:
+        await ws.send(create("needs a lease"))
+        error = json.loads(await ws.recv())
+        assert error["type"] == "error" and error["code"] == "registry_unavailable"
+        with pytest.raises(ConnectionClosed) as closed:
+            await ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1013
+        assert wsup.gens == []  # nothing went upstream unfenced

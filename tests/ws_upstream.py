@@ -35,6 +35,7 @@ class Script:
     gated: bool = False  # wait for Gen.release() before each event after response.created
     prefix: str = ""
     close_code: int | None = None  # the server closes the socket after response.created
+    abort: bool = False  # the server drops the TCP connection after response.created
     error: str | None = None  # answer with an `error` event of this code instead
 
     def token_list(self) -> list[str]:
@@ -188,6 +189,9 @@ class WsUpstream:
         await emit({"type": "response.created", "response": response})
         if script.close_code is not None:
             await ws.close(script.close_code, "scripted close")
+            return
+        if script.abort:
+            ws.transport.abort()
             return
         item: dict[str, Any] = {
             "id": f"msg_{gen.id}",
