@@ -80,12 +80,15 @@ async def one(ws: ClientConnection, n: int, i: int) -> int:
             return count
 
 
-async def stream(port: int, spec: dict[str, Any]) -> float:
+async def stream(port: int, spec: dict[str, Any]) -> tuple[float, int]:
+    """Wall time of the responses, and the messages received (all of them, or the run
+    measured nothing)."""
+    received = 0
     async with connect(f"ws://127.0.0.1:{port}/v1/responses", max_size=None) as ws:
         started = time.perf_counter()
         for i in range(spec["responses"]):
-            await one(ws, spec["events"], i)
-        return time.perf_counter() - started
+            received += await one(ws, spec["events"], i)
+        return time.perf_counter() - started, received
 
 
 async def rtt(port: int, spec: dict[str, Any]) -> list[float]:
@@ -120,13 +123,16 @@ async def measure(
 ) -> dict[str, Any]:
     targets = {"direct": upstream_port, "streamfence": proxy_port}
     walls: dict[str, list[float]] = {t: [] for t in targets}
+    received: dict[str, int] = {t: 0 for t in targets}
     cpu: list[float] = []
     rtts: dict[str, list[float]] = {t: [] for t in targets}
     for r in range(spec["rounds"]):
         order = list(targets) if r % 2 == 0 else list(reversed(targets))
         for name in order:
             before = cpu_seconds([proxy_pid])
-            walls[name].append(await stream(targets[name], spec))
+            wall, count = await stream(targets[name], spec)
+            walls[name].append(wall)
+            received[name] += count
             if name == "streamfence":
                 cpu.append(cpu_seconds([proxy_pid]) - before)
             rtts[name] += await rtt(targets[name], spec)
@@ -135,6 +141,7 @@ async def measure(
     per_msg = {t: wall[t] / messages * 1e6 for t in targets}
     return {
         "messages_per_run": messages,
+        "messages_received": received,  # per target, over all rounds
         "us_per_message": per_msg,
         "overhead_us_per_message": per_msg["streamfence"] - per_msg["direct"],
         "ratio": wall["streamfence"] / wall["direct"],
