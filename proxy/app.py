@@ -28,13 +28,13 @@ from starlette.types import Receive as ASGIReceive
 from starlette.types import Scope
 from starlette.types import Send as ASGISend
 
-from proxy import dialects, egress, follow, logs, shutdown, status, turns
+from proxy import dialects, egress, follow, logs, shutdown, status, tracing, turns
 from proxy.config import Config, UpstreamConfig
-from proxy.errors import BodyTooLarge, NoRoute, StreamfenceError, Unauthorized
+from proxy.errors import BodyTooLarge, NoRoute, StaleRetry, StreamfenceError, Unauthorized
 from proxy.follow import Attempt, Decision, Generations, Policy
 from proxy.generation import Ask, Budget, Generation
 from proxy.logs import Record
-from proxy.metrics import Metrics
+from proxy.metrics import Metrics, scrape_authorized
 from proxy.registry import MemoryRegistry, Registry
 from proxy.relay import Exchange, Receive, Send, Subscriber, error_response_parts
 from proxy.routing import RESERVED_PREFIX, Router, request_headers
@@ -73,7 +73,8 @@ class Runtime:
         self._idle.set()
         self.budget = Budget(config.server.join_buffer_total_bytes)
         self.generations: Generations | None = None  # with the client, in the lifespan
-        self.status = status.StatusBoard()
+        self.status = status.StatusBoard(up.name for up in config.upstream)
+        self.tracer = tracing.create(config.tracing)  # None unless tracing is on
         self.policies = {
             up.name: Policy(up.on_retry, up.healthy_within, up.replay_fingerprints)
             for up in config.upstream
@@ -105,10 +106,12 @@ class Runtime:
         record.cause = getattr(error, "cause", "")
         self.metrics.observe(record, kind)
         self.metrics.in_flight.dec()
-        if record.outcome == "superseded":
+        if record.fenced_generation:  # once per generation, not per follower
             logs.log_supersede(record, self.config.server.log_format)
         logs.log_request(record, self.config.server.log_format)
-        self.status.finished(record)
+        self.status.finished(record, error)
+        if self.tracer is not None:
+            self.tracer.end(record)
 
 
 class ProxyEndpoint:
@@ -207,6 +210,8 @@ class ProxyEndpoint:
             return decision.generation, exchange
         if decision.action == follow.NOTHING_LEFT:
             raise NothingLeft
+        if decision.action == follow.STALE:
+            raise StaleRetry(decision.replaced_by)
         beside = decision.action == follow.BESIDE
         keyed = turn is not None and not beside
         stamp = keyed and (
@@ -217,6 +222,8 @@ class ProxyEndpoint:
         out_headers = request_headers(headers, drop)
         if not any(n == REQUEST_ID_HEADER for n, _ in out_headers):
             out_headers.append((REQUEST_ID_HEADER, record.request_id.encode()))
+        if rt.tracer is not None:  # the request's span; upstream gets its traceparent
+            out_headers = rt.tracer.start(record, headers, out_headers)
         followable = keyed and up.on_retry != "supersede"
         ask = Ask(
             request=build_request(record.method, route.url, out_headers, body, up),
@@ -229,6 +236,7 @@ class ProxyEndpoint:
             stamp_ids=stamp,
             followable=followable,
             retain_for=up.replay_window if followable else 0.0,
+            retired=_retired(decision.generation),
         )
         record.source = decision.how
         assert rt.generations is not None
@@ -244,14 +252,25 @@ class ProxyEndpoint:
         if turn is None:
             return Decision(follow.NEW)
         live = generations.lookup(turn.key)
+        now = time.monotonic()
         if live is None:
             if generations.nothing_left(turn.key, last_event_id):
                 return Decision(follow.NOTHING_LEFT)
+            replaced_by = generations.stale(turn.key, turn.body_fingerprint, now)
+            if replaced_by is not None:
+                return Decision(follow.STALE, replaced_by=replaced_by)
             return Decision(follow.NEW)
         attempt = Attempt(
             turn.body_fingerprint, turn.streaming, turn.source == "header", last_event_id
         )
-        return follow.decide(live, attempt, self.rt.policies[up.name], time.monotonic())
+        return follow.decide(live, attempt, self.rt.policies[up.name], now)
+
+
+def _retired(replaced: Generation | None) -> frozenset[str]:
+    """What a new generation replaces: the bodies a stale retry would repeat."""
+    if replaced is None or replaced.done or replaced.ask.body_hash is None:
+        return frozenset()
+    return replaced.ask.retired | {replaced.ask.body_hash}
 
 
 def _request_id(headers: list[tuple[bytes, bytes]]) -> str:
@@ -308,6 +327,8 @@ def create_app(
             drain.uninstall()
             await runtime.client.aclose()
             await runtime.registry.close()
+            if runtime.tracer is not None:
+                runtime.tracer.shutdown()  # exports the spans still queued
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -317,8 +338,10 @@ def create_app(
         return JSONResponse({"status": "ready" if ok else "not ready"}, 200 if ok else 503)
 
     async def metrics(request: Request) -> Response:
-        if not runtime.authorized(request.scope["headers"]):
-            return PlainTextResponse("access token required\n", 401)
+        if not scrape_authorized(request.headers, runtime.token):
+            return PlainTextResponse(
+                "access token required\n", 401, headers={"www-authenticate": "Bearer"}
+            )
         return Response(runtime.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def status_page(request: Request) -> Response:

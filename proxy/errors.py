@@ -11,6 +11,7 @@ one place, in the caller's dialect.
     ├── UpgradeUnavailable         426   websocket_unavailable (a WebSocket that cannot be relayed)
     ├── BodyTooLarge               413   body_too_large
     ├── Superseded                 409   stream_superseded (a newer attempt of the turn won)
+    │   └── StaleRetry             409   stream_superseded (a retry of an attempt already replaced)
     ├── RegistryUnavailable        503   registry_unavailable (fail_closed only)
     ├── ShuttingDown               503   shutting_down
     └── UpstreamError              502   upstream_error
@@ -69,6 +70,21 @@ class Superseded(StreamfenceError):
     def __init__(self, attempt: int, newer: int | None = None) -> None:
         super().__init__(superseded_message(attempt, newer))
         self.attempt = attempt
+
+
+class StaleRetry(Superseded):
+    """A request repeating a version of the turn that a newer one replaced while that newer
+    one is still answering: refused, since taking it as the newest would cut the winner
+    (clients that retry a 409 whatever it says, such as the Vercel AI SDK, send these)."""
+
+    def __init__(self, newer: int | None) -> None:
+        StreamfenceError.__init__(
+            self,
+            "streamfence: this request repeats an earlier version of this turn, which was "
+            f"superseded by {'attempt ' + str(newer) if newer else 'a newer attempt'} of the "
+            "same turn; that attempt is still delivering the answer. Do not retry this request.",
+        )
+        self.attempt = 0
 
 
 class RegistryUnavailable(StreamfenceError):

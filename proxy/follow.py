@@ -13,6 +13,7 @@ rule of CONTRACT section 3 that picks between following, starting anew and going
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Final
@@ -25,7 +26,12 @@ NEW: Final = "new"
 FOLLOW: Final = "follow"
 BESIDE: Final = "beside"
 NOTHING_LEFT: Final = "nothing_left"  # a resume at the very end of a completed generation
+STALE: Final = "stale"  # a retry of a body the running generation replaced: refused
 FINAL_IDS_KEPT: Final = 4096
+# How long a turn remembers the versions its generations replaced, after they are over: a
+# client that retries a 409 with backoff (the Vercel AI SDK: 2 s, then 4 s) must not get an
+# answer to the old version once the new one has finished, a second writer for the turn.
+RETIRED_SECONDS: Final = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +53,12 @@ class Attempt:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    action: str  # new | follow | beside | nothing_left
-    generation: Generation | None = None  # the one to follow
+    action: str  # new | follow | beside | nothing_left | stale
+    generation: Generation | None = None  # the one to follow, or the one a new one replaces
     cursor: int = 0  # follow from after this event number
     how: str = "upstream"  # upstream | followed | resumed | replayed | beside
     refused: str = ""  # why an identical request could not follow (logged, counted)
+    replaced_by: int | None = None  # stale: the attempt that replaced the version it repeats
 
 
 def decide(live: Generation | None, attempt: Attempt, policy: Policy, now: float) -> Decision:
@@ -59,8 +66,10 @@ def decide(live: Generation | None, attempt: Attempt, policy: Policy, now: float
         return Decision(NEW)
     ask = live.ask
     identical = ask.body_hash == attempt.body_hash
+    if not identical and attempt.body_hash in ask.retired:
+        return Decision(STALE, live, replaced_by=None if live.lease is None else live.lease.attempt)
     if policy.on_retry == "supersede" or not identical:
-        return Decision(NEW)
+        return Decision(NEW, live)
     resume = live.cursor_after(attempt.last_event_id)
     if live.done:
         if live.completed and resume is not None and resume == live.last_id:
@@ -68,16 +77,16 @@ def decide(live: Generation | None, attempt: Attempt, policy: Policy, now: float
         replayable = attempt.explicit or resume is not None or policy.replay_fingerprints
         same_mode = ask.streaming == attempt.streaming
         if not (live.completed and live.retained and replayable and same_mode):
-            return Decision(NEW)
+            return Decision(NEW, live)
         return Decision(FOLLOW, live, resume or 0, "replayed")
     healthy = live.healthy(policy.healthy_within, now)
     if ask.streaming != attempt.streaming:
-        return Decision(BESIDE, how="beside") if healthy else Decision(NEW)
+        return Decision(BESIDE, how="beside") if healthy else Decision(NEW, live)
     if not live.followable:
-        return Decision(NEW, refused="buffer_over_cap")
+        return Decision(NEW, live, refused="buffer_over_cap")
     if healthy or policy.on_retry == "join":
         return Decision(FOLLOW, live, resume or 0, "followed" if resume is None else "resumed")
-    return Decision(NEW)
+    return Decision(NEW, live)
 
 
 class Generations:
@@ -91,6 +100,8 @@ class Generations:
         # The final event id of recently completed generations (id-stamped ones only): a
         # resume from there has nothing left to receive (EventSource reconnects after the end).
         self._final: OrderedDict[str, bytes] = OrderedDict()
+        # The versions each turn's last generation replaced, when it ended, its attempt.
+        self._retired: OrderedDict[str, tuple[float, frozenset[str], int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._live)
@@ -103,6 +114,14 @@ class Generations:
         final = self._final.get(key)
         return final is not None and last_event_id is not None and last_event_id.strip() == final
 
+    def stale(self, key: str, body_hash: str | None, now: float) -> int | None:
+        """The attempt of the recent generation that replaced the version `body_hash`."""
+        entry = self._retired.get(key)
+        if entry is None or body_hash is None:
+            return None
+        ended, retired, attempt = entry
+        return attempt if now - ended < RETIRED_SECONDS and body_hash in retired else None
+
     def start(self, ask: Ask) -> Generation:
         generation = Generation(ask, self.client, self.registry, self.budget, self._ended)
         if ask.followable and ask.key is not None:
@@ -114,6 +133,12 @@ class Generations:
         if key is None or self._live.get(key) is not generation:
             return
         del self._live[key]
+        if generation.ask.retired:
+            attempt = 0 if generation.lease is None else generation.lease.attempt
+            self._retired[key] = (time.monotonic(), generation.ask.retired, attempt)
+            self._retired.move_to_end(key)
+            if len(self._retired) > FINAL_IDS_KEPT:
+                self._retired.popitem(last=False)
         if generation.completed and generation.ask.stamp_ids and generation.token is not None:
             self._final[key] = generation.event_id(generation.last_id)
             self._final.move_to_end(key)

@@ -23,6 +23,7 @@ import trustme
 import uvloop
 
 from proxy import cli, egress
+from proxy import serve as proxy_serve
 from proxy.config import ConfigError, from_dict, load
 from proxy.transport import Transport
 from proxy.upstream import ssl_context_for
@@ -474,13 +475,19 @@ def test_unloadable_ca_certificates_stop_startup_with_a_clear_error(
 
 
 def test_startup_lines_name_the_proxy_without_credentials() -> None:
-    lines = cli.startup_lines(_config(**{"server.egress_proxy": "http://u:pw@p:3128"}), environ={})
+    lines = proxy_serve.startup_lines(
+        _config(**{"server.egress_proxy": "http://u:pw@p:3128"}), environ={}
+    )
     assert "  egress proxy for 'default': http://p:3128 (from server.egress_proxy)" in lines
     assert not any("pw" in line for line in lines)
-    from_env = cli.startup_lines(_config(), environ={"https_proxy": "http://u:pw@corp:8080"})
+    from_env = proxy_serve.startup_lines(
+        _config(), environ={"https_proxy": "http://u:pw@corp:8080"}
+    )
     assert "  egress proxy for 'default': http://corp:8080 (from HTTPS_PROXY)" in from_env
     bypassed = {"https_proxy": "http://corp:8080", "NO_PROXY": ".example.com"}
-    direct = cli.startup_lines(_config(), environ={}) + cli.startup_lines(_config(), bypassed)
+    direct = proxy_serve.startup_lines(_config(), environ={}) + proxy_serve.startup_lines(
+        _config(), bypassed
+    )
     assert not any("egress" in line for line in direct)
 
 

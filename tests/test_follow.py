@@ -332,3 +332,34 @@ async def test_the_budget_and_table_are_empty_after_many_followed_turns(
         assert len(proxy.runtime.generations or ()) == 0
         assert proxy.runtime.budget.used == 0
         assert proxy.runtime.registry.live_keys() == 0
+
+
+async def test_a_retry_of_a_replaced_version_never_replaces_its_successor(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream
+) -> None:
+    """A client that retries a 409 whatever it says (the Vercel AI SDK, litellm's Router)
+    re-sends the version of the turn that a newer one replaced: it is refused, and the
+    newer one is never cut."""
+    old = chat_body(prompt="first question", gated=True, tokens=3, prefix="O")
+    edited = chat_body(prompt="edited question", gated=True, tokens=3, prefix="E")
+    async with make_proxy(upstream.url, **HEALTHY) as proxy, proxy.client() as client:
+        async with AsyncExitStack() as stack:
+            first = await open_stream(stack, client, CHAT, old, TURN)
+            first_events = events(first)
+            await anext(first_events)
+            newer = await open_stream(stack, client, CHAT, edited, TURN)
+            newer_events = events(newer)
+            await anext(newer_events)
+            assert _codes([e async for e in first_events]) == ["stream_superseded"]
+            stale = await client.post(CHAT, json=old, headers=TURN)
+            upstream.seen[1].release(10)
+            rest = [e async for e in newer_events]
+        await proxy.runtime.wait_idle()
+        # Nor once the newer one is over: that would be a second answer for the turn.
+        later = await client.post(CHAT, json=old, headers=TURN)
+    assert stale.status_code == 409 and stale.headers["x-should-retry"] == "false"
+    assert stale.json()["error"]["code"] == "stream_superseded"
+    assert "repeats an earlier version" in stale.json()["error"]["message"]
+    assert "".join(e.text for e in rest) == "E1 E2 " and not _codes(rest)
+    assert later.status_code == 409
+    assert len(upstream.seen) == 2

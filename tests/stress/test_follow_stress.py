@@ -1,7 +1,8 @@
 """Stress for generations and followers: many concurrent turns, each a generation with
 identical twins arriving at random moments (some leaving early), and in some turns a revised
-request under the same turn id that supersedes the generation mid-stream. Every client's
-answer is checked (CONTRACT sections 2-3):
+request under the same turn id that supersedes the generation mid-stream; once on a proxy
+that finds every generation healthy (twins follow), once on one that finds every one stalled
+(each twin supersedes the one before). Every client's answer is checked (CONTRACT 2-3):
 
 - it holds events of one generation only (the upstream tags each generation's tokens),
   from the first token, in order, without gap or duplicate;
@@ -86,8 +87,11 @@ class Client:
 
 
 async def _turn(
-    n: int, rng: random.Random, http: httpx.AsyncClient, upstream: ScriptedUpstream
+    n: int, rng: random.Random, http: httpx.AsyncClient, upstream: ScriptedUpstream, stalled: bool
 ) -> list[str]:
+    """One turn: a first request, 1-3 identical twins, maybe a revision. On a proxy that finds
+    every generation healthy the twins follow; on one that finds every one stalled
+    (healthy_within = 0) each twin supersedes the generation before it."""
     tokens = rng.randint(3, 6)
     turn = {"X-Turn-Id": f"follow-{n}"}
     body = {
@@ -125,13 +129,14 @@ async def _turn(
                 http.stream("POST", CHAT, json=changed, headers=turn)
             )
             await seen.closed.wait()  # the old generation's upstream is closed at once
-            mark = f"turn {n}, revised".encode()
-            revised = next(s for s in reversed(upstream.seen) if mark in s.body)
-            revised.release(1000)
             reading.append(asyncio.create_task(newer.read(newer_response)))
-        seen.release(1000)
+        for asked in _asked(upstream, n):
+            asked.release(1000)
         async with asyncio.timeout(harness.WAIT_LIMIT):
             await asyncio.gather(*reading)
+    everyone = clients + ([newer] if newer is not None else [])
+    if stalled:
+        return _check_stalled(n, everyone, tokens, upstream)
     problems = [p for c in clients for p in c.check(tokens, superseded=revise)]
     if newer is not None:
         problems += newer.check(tokens, superseded=False)
@@ -139,22 +144,45 @@ async def _turn(
             problems.append(f"turn {n}: the revised request got the old generation")
     if not all(c.source == "followed" for c in clients[1:]):
         problems.append(f"turn {n}: a twin of a healthy generation did not follow it")
-    asked = [s for s in upstream.seen if f'turn {n}"' in s.body.decode()]
-    if len(asked) != 1:
-        problems.append(f"turn {n}: {len(asked)} upstream requests for one generation")
+    if len(_asked(upstream, n)) != 1 + revise:
+        problems.append(f"turn {n}: {len(_asked(upstream, n))} upstream requests")
     return problems
 
 
+def _asked(upstream: ScriptedUpstream, n: int) -> list[Seen]:
+    marks = (f'turn {n}"'.encode(), f"turn {n}, revised".encode())
+    return [s for s in upstream.seen if any(m in s.body for m in marks)]
+
+
+def _check_stalled(
+    n: int, everyone: list[Client], tokens: int, upstream: ScriptedUpstream
+) -> list[str]:
+    """Each request superseded the one before it: all but the last fenced, each its own
+    generation, one upstream request each."""
+    problems = []
+    for i, client in enumerate(everyone):
+        problems += client.check(tokens, superseded=i < len(everyone) - 1)
+        if client.source != "upstream":
+            problems.append(f"{client.name}: served as {client.source}, not as a new generation")
+    generations = [g for c in everyone for g in c.generations()]
+    if len(generations) != len(set(generations)):
+        problems.append(f"turn {n}: two clients shared a generation {generations}")
+    if len(_asked(upstream, n)) != len(everyone):
+        problems.append(f"turn {n}: {len(_asked(upstream, n))} upstream requests")
+    return problems
+
+
+@pytest.mark.parametrize("stalled", [False, True], ids=["healthy", "stalled"])
 async def test_twins_follow_and_revisions_fence_every_client_of_the_old_generation(
-    upstream: ScriptedUpstream, make_proxy: ProxyFactory
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory, stalled: bool
 ) -> None:
     rng = random.Random(SEED)
     seeds = [rng.randrange(1 << 32) for _ in range(TURNS)]
-    options = {"upstream.healthy_within": 3600.0}
+    options = {"upstream.healthy_within": 0.0 if stalled else 3600.0}
     async with make_proxy(upstream.url, **options) as proxy:
         async with driver_client(proxy.url, timeout=60) as http:
             results = await asyncio.gather(
-                *(_turn(n, random.Random(s), http, upstream) for n, s in enumerate(seeds))
+                *(_turn(n, random.Random(s), http, upstream, stalled) for n, s in enumerate(seeds))
             )
         await proxy.runtime.wait_idle()
         runtime = proxy.runtime

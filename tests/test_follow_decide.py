@@ -1,0 +1,109 @@
+"""follow.decide, the rule of CONTRACT section 3, as a table: pure, no I/O, no clock."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from proxy import follow
+from proxy.follow import Attempt, Decision, Policy
+
+
+@dataclass
+class Ask:
+    body_hash: str = "A"
+    streaming: bool = True
+    retired: frozenset[str] = frozenset()
+
+
+@dataclass
+class Live:
+    """What decide reads of a generation."""
+
+    ask: Ask = field(default_factory=Ask)
+    fenced: bool = False
+    done: bool = False
+    completed: bool = False
+    retained: bool = False
+    followable: bool = True
+    quiet: float = 0.0  # seconds since its last sign of life
+    last_id: int = 5
+    lease: Any = None
+
+    def healthy(self, within: float, now: float) -> bool:
+        return self.quiet < within
+
+    def cursor_after(self, last_event_id: bytes | None) -> int | None:
+        return 3 if last_event_id == b"own-3" else None
+
+
+def decide(live: Live | None, policy: str = "adaptive", **attempt: Any) -> Decision:
+    a = Attempt(
+        attempt.get("body", "A"),
+        attempt.get("streaming", True),
+        attempt.get("explicit", True),
+        attempt.get("last_event_id"),
+    )
+    return follow.decide(live, a, Policy(policy, 10.0, False), now=0.0)  # type: ignore[arg-type]
+
+
+HEALTHY, STALLED = Live(), Live(quiet=11.0)
+
+
+@pytest.mark.parametrize(
+    ("live", "policy", "attempt", "action", "how"),
+    [
+        (None, "adaptive", {}, "new", "upstream"),
+        (HEALTHY, "adaptive", {}, "follow", "followed"),
+        (STALLED, "adaptive", {}, "new", "upstream"),
+        (STALLED, "join", {}, "follow", "followed"),
+        (HEALTHY, "supersede", {}, "new", "upstream"),
+        (HEALTHY, "adaptive", {"streaming": False}, "beside", "beside"),
+        (STALLED, "adaptive", {"streaming": False}, "new", "upstream"),
+        (HEALTHY, "join", {"streaming": False}, "beside", "beside"),
+        (HEALTHY, "adaptive", {"body": "B"}, "new", "upstream"),
+        (HEALTHY, "join", {"body": "B"}, "new", "upstream"),
+        (HEALTHY, "adaptive", {"last_event_id": b"own-3"}, "follow", "resumed"),
+        (HEALTHY, "adaptive", {"last_event_id": b"junk"}, "follow", "followed"),
+        (Live(fenced=True), "adaptive", {}, "new", "upstream"),
+        (Live(followable=False), "adaptive", {}, "new", "upstream"),
+        (Live(ask=Ask(retired=frozenset({"B"}))), "adaptive", {"body": "B"}, "stale", "upstream"),
+        (Live(ask=Ask(retired=frozenset({"B"}))), "supersede", {"body": "B"}, "stale", "upstream"),
+        (Live(done=True, completed=True, retained=True), "adaptive", {}, "follow", "replayed"),
+        (
+            Live(done=True, completed=True, retained=True),
+            "adaptive",
+            {"explicit": False},
+            "new",
+            "upstream",
+        ),
+        (Live(done=True, completed=True), "adaptive", {}, "new", "upstream"),
+        (Live(done=True, retained=True), "adaptive", {}, "new", "upstream"),
+        (
+            Live(done=True, completed=True, last_id=3),
+            "adaptive",
+            {"last_event_id": b"own-3"},
+            "nothing_left",
+            "upstream",
+        ),
+    ],
+)
+def test_the_rule(
+    live: Live | None, policy: str, attempt: dict[str, Any], action: str, how: str
+) -> None:
+    decision = decide(live, policy, **attempt)
+    assert (decision.action, decision.how) == (action, how)
+    if action == "follow":
+        assert decision.generation is live
+        assert decision.cursor == (3 if attempt.get("last_event_id") == b"own-3" else 0)
+
+
+def test_an_identical_request_that_cannot_follow_says_why() -> None:
+    assert decide(Live(followable=False)).refused == "buffer_over_cap"
+    assert decide(HEALTHY).refused == ""
+
+
+def test_a_request_without_a_body_identity_is_always_new() -> None:
+    assert decide(HEALTHY, body=None).action == "new"
