@@ -28,7 +28,10 @@ from tests.ws_upstream import WsUpstream, ws_upstream
 
 ROOT = Path(__file__).resolve().parent.parent
 CODEX = Path(os.environ.get("STREAMFENCE_CODEX", ROOT / "tests/agents/node_modules/.bin/codex"))
-pytestmark = pytest.mark.skipif(not CODEX.exists(), reason=f"Codex CLI not installed at {CODEX}")
+pytestmark = [
+    pytest.mark.agents,
+    pytest.mark.skipif(not CODEX.exists(), reason=f"Codex CLI not installed at {CODEX}"),
+]
 KEY = "sk-streamfence-test"
 
 
