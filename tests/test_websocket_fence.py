@@ -239,6 +239,11 @@ async def test_client_leaving_mid_response_closes_upstream_and_releases(
         gen = (await wsup.wait_gens(1))[0]
         await opening(ws)
         assert proxy.runtime.registry.live_keys() == 1
+        # The status page shows the response in flight, like an HTTP stream.
+        flights = proxy.runtime.status.snapshot(proxy.runtime.active)["in_flight"]
+        assert [(f["dialect"], f["events"], f["attempt"]) for f in flights] == [
+            ("openai-responses", 2, 1)
+        ]
         await ws.close()
         await asyncio.wait_for(gen.over.wait(), 1)
         assert gen.cut
