@@ -13,7 +13,7 @@ dialects, outcomes and error kinds only: never a credential, a turn id or a body
     streamfence_upstream_errors_total{upstream,kind}       connect | timeout | protocol | malformed
     streamfence_registry_unavailable_total                 forwarded unfenced (fail_open)
     streamfence_websocket_connections_total{upstream,outcome}  upgrades: accepted | refused
-        (the upstream's status) | unreachable (426) | rejected (404/401/400)
+        (the upstream's status) | unreachable (426) | rejected (404/401/400) | client_gone
     streamfence_websocket_open                             relayed sockets open now
     streamfence_websocket_frames_total{upstream,direction} messages relayed:
         client_to_upstream | upstream_to_client (fenced ones are events_dropped)

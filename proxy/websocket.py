@@ -92,14 +92,18 @@ class WebSocketEndpoint:
             log.info("streamfence: websocket upgrade %s not relayed: %s", path, exc.message)
             await refuse(scope, send, exc, dialect)
             return
+        accept = {
+            "type": "websocket.accept",
+            "subprotocol": conn.subprotocol,
+            "headers": accept_headers(conn),
+        }
+        try:
+            await send(accept)
+        except OSError:  # the client left while the upstream was being opened
+            rt.metrics.ws_connections.labels(name, "client_gone").inc()
+            await conn.close()
+            return
         rt.metrics.ws_connections.labels(name, "accepted").inc()
-        await send(
-            {
-                "type": "websocket.accept",
-                "subprotocol": conn.subprotocol,
-                "headers": accept_headers(conn),
-            }
-        )
         session = Session(self, upgrade, conn, receive, send)
         rt.metrics.ws_open.inc()
         try:
@@ -260,6 +264,9 @@ class Session:
         self.blocked_since = anyio.current_time()
         try:
             await self._send(message or {"type": "websocket.send", "bytes": data})
+        except OSError:  # uvicorn's ClientDisconnected: the client went away mid-write
+            self.closing = True
+            self.stop()  # the session's cleanup ends its responses as the client's leaving
         finally:
             self.blocked_since = None
 

@@ -254,3 +254,32 @@ async def test_client_message_over_the_limit_closes_1009(
 
 async def open_ws(proxy: Proxy, path: str = "/v1/responses", **kw: Any) -> ClientConnection:
     return await connect(ws_url(proxy, path), **kw)
+
+
+async def test_client_leaving_during_the_upstream_handshake_leaves_nothing_open(
+    make_proxy: ProxyFactory,
+) -> None:
+    import asyncio
+
+    from websockets.asyncio.server import ServerConnection, serve
+
+    closed = asyncio.Event()
+    gave_up = asyncio.Event()
+
+    async def slow(conn: ServerConnection, request: Any) -> None:
+        await gave_up.wait()  # the handshake answers only once the client has left
+
+    async def handler(ws: ServerConnection) -> None:
+        await ws.wait_closed()
+        closed.set()
+
+    async with serve(handler, "127.0.0.1", 0, process_request=slow) as server:
+        port = next(iter(server.sockets)).getsockname()[1]
+        async with make_proxy(f"http://127.0.0.1:{port}") as proxy:
+            with pytest.raises(TimeoutError):
+                await connect(ws_url(proxy, "/s"), open_timeout=0.2)
+            gave_up.set()
+            await asyncio.wait_for(closed.wait(), 5)  # the proxy closed its upstream socket
+            outcome = {"upstream": "default", "outcome": "client_gone"}
+            assert metric(proxy, "streamfence_websocket_connections_total", **outcome) == 1
+            assert metric(proxy, "streamfence_websocket_open") == 0
