@@ -199,7 +199,11 @@ class Generation:
     async def _close_response(self) -> None:
         response, self.response = self.response, None
         if response is not None:
-            await asyncio.shield(response.aclose())  # closes the connection: nothing drained
+            close = response.aclose()  # closes the connection: nothing drained
+            task = asyncio.current_task()
+            # Shielded only when cancelled (fenced, or its last client gone): a second
+            # cancellation must not leave the connection half closed. A Task less otherwise.
+            await (asyncio.shield(close) if task is not None and task.cancelling() else close)
         self.closed_at = time.perf_counter()
 
     async def _take(self, events: list[bytes], stamp: bool = True) -> bool:
@@ -315,7 +319,8 @@ class Generation:
             return
         if not self.done:
             self._task.cancel()
-        await asyncio.shield(self.finished.wait())
+        if not self.finished.is_set():
+            await self.finished.wait()  # the subscriber calls this shielded
         if not self.retained:
             await self.end()
 
