@@ -39,6 +39,7 @@ from proxy.registry import MemoryRegistry, Registry
 from proxy.relay import Exchange, Receive, Send, Subscriber, error_response_parts
 from proxy.routing import RESERVED_PREFIX, Router, request_headers
 from proxy.upstream import UpstreamClient, build_request, create_client, ssl_context_for
+from proxy.websocket import WebSocketEndpoint
 
 ACCESS_TOKEN_HEADER = b"x-streamfence-token"
 REQUEST_ID_HEADER = b"x-request-id"
@@ -374,10 +375,14 @@ class _App(Starlette):
     def __init__(self, proxy: ProxyEndpoint, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.proxy = proxy
+        self.websocket = WebSocketEndpoint(proxy.rt)  # every upgrade: relayed or refused
 
     async def __call__(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> None:
         if scope["type"] == "http" and not scope["path"].startswith(RESERVED_PREFIX + "/"):
             await self.proxy(scope, receive, send)  # type: ignore[arg-type]  # dicts at runtime
+            return
+        if scope["type"] == "websocket":
+            await self.websocket(scope, receive, send)  # type: ignore[arg-type]
             return
         await super().__call__(scope, receive, send)
 

@@ -50,6 +50,8 @@ class ServerConfig:
     http_transport: str = "fast"
     # All generation buffers of the process together (what followers read).
     join_buffer_total_bytes: int = 256 * 1024 * 1024
+    # WebSocket mode: a client message over this closes the socket with 1009.
+    websocket_max_message_bytes: int = 32 * 1024 * 1024
     # The forward proxy to the upstreams: "" from HTTPS_PROXY/HTTP_PROXY/ALL_PROXY/NO_PROXY,
     # "none" for direct connections, or an http:// URL (proxy/egress.py).
     egress_proxy: str = ""
@@ -342,6 +344,8 @@ def _check(config: Config) -> list[str]:
             problems.append(f"server.{key}: must not be negative")
     if config.server.max_body_bytes < 1:
         problems.append("server.max_body_bytes: must be positive")
+    if config.server.websocket_max_message_bytes < 1:
+        problems.append("server.websocket_max_message_bytes: must be positive")
     if config.registry.lease_ttl <= 0:
         problems.append("registry.lease_ttl: must be positive (seconds)")
     if config.registry.backend == "redis" and urlsplit(config.registry.url).scheme not in (

@@ -8,6 +8,7 @@ one place, in the caller's dialect.
     ├── BadRequest                 400   bad_request       (invalid X-Turn-Id, ...)
     ├── Unauthorized               401   unauthorized      (missing/wrong access token)
     ├── NoRoute                    404   no_route          (path matches no upstream)
+    ├── UpgradeUnavailable         426   websocket_unavailable (a WebSocket that cannot be relayed)
     ├── BodyTooLarge               413   body_too_large
     ├── Superseded                 409   stream_superseded (a newer attempt of the turn won)
     │   └── StaleRetry             409   stream_superseded (a retry of an attempt already replaced)
@@ -47,6 +48,14 @@ class Unauthorized(StreamfenceError):
 class NoRoute(StreamfenceError):
     status = 404
     code = "no_route"
+
+
+class UpgradeUnavailable(StreamfenceError):
+    """A WebSocket upgrade that cannot be relayed (upstream unreachable): 426, so that
+    clients fall back to HTTP at once instead of retrying."""
+
+    status = 426
+    code = "websocket_unavailable"
 
 
 class BodyTooLarge(StreamfenceError):

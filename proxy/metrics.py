@@ -12,6 +12,11 @@ dialects, outcomes and error kinds only: never a credential, a turn id or a body
     streamfence_added_ttfb_seconds                         time to first byte the proxy adds
     streamfence_upstream_errors_total{upstream,kind}       connect | timeout | protocol | malformed
     streamfence_registry_unavailable_total                 forwarded unfenced (fail_open)
+    streamfence_websocket_connections_total{upstream,outcome}  upgrades: accepted | refused
+        (the upstream's status) | unreachable (426) | rejected (404/401/400) | client_gone
+    streamfence_websocket_open                             relayed sockets open now
+    streamfence_websocket_frames_total{upstream,direction} messages relayed:
+        client_to_upstream | upstream_to_client (fenced ones are events_dropped)
     streamfence_generations_total{upstream}                requests that went upstream
     streamfence_follows_total{upstream,how}                requests served from a running or
         recorded generation instead (how: followed | resumed | replayed)
@@ -130,6 +135,20 @@ class Metrics:
         self.registry_unavailable = Counter(
             "streamfence_registry_unavailable",
             "Requests forwarded without fencing because the registry was unreachable",
+            registry=r,
+        )
+
+        self.ws_connections = Counter(
+            "streamfence_websocket_connections",
+            "WebSocket upgrades by outcome",
+            ["upstream", "outcome"],
+            registry=r,
+        )
+        self.ws_open = Gauge("streamfence_websocket_open", "Relayed WebSockets open", registry=r)
+        self.ws_frames = Counter(
+            "streamfence_websocket_frames",
+            "WebSocket messages relayed",
+            ["upstream", "direction"],
             registry=r,
         )
 

@@ -151,6 +151,8 @@ def serve(config: Config, log_level: str) -> int:
     options: dict[str, Any] = dict(
         loop="uvloop",
         http="httptools",
+        ws="websockets-sansio",  # WebSocket mode (proxy/websocket.py)
+        ws_max_size=config.server.websocket_max_message_bytes + 1,  # the app says 1009 itself
         lifespan="on",
         access_log=False,
         log_config=None,  # logs.configure routes uvicorn's loggers through our format

@@ -65,8 +65,12 @@ def make_proxy() -> ProxyFactory:
     async def start(upstream_url: str, **overrides: Any) -> AsyncIterator[Proxy]:
         flat = {"upstream.url": upstream_url, **overrides}
         app_kw = flat.pop("_app", {})  # before load(): it is not a config key
-        app = create_app(load(env={}, overrides=flat), **app_kw)
-        async with serve(app) as (url, _server):
+        config = load(env={}, overrides=flat)
+        app = create_app(config, **app_kw)
+        # WebSocket mode as the CLI serves it (tests/upstream.py's default is ws="none").
+        limit = config.server.websocket_max_message_bytes
+        ws = {"ws": "websockets-sansio", "ws_max_size": limit + 1}  # as proxy/cli.py
+        async with serve(app, **ws) as (url, _server):
             yield Proxy(url, app.state.runtime)
 
     return start

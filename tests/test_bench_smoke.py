@@ -36,3 +36,20 @@ def test_every_scenario_completes(tmp_path: Path) -> None:
     assert fence["sent under load"] == fence["supersedes"]  # the load outlasted them
     assert fence["load completed"] == results["sizes"]["B5"]["load"]["n"]
     assert summary["B3"]["streamfence"]["peak RSS MB"] > 0
+
+
+def test_websocket_benchmark_completes(tmp_path: Path) -> None:
+    out = tmp_path / "b6.json"
+    subprocess.run(
+        [sys.executable, "-m", "bench.websocket", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        timeout=120,
+        stdout=subprocess.DEVNULL,
+    )
+    result = json.loads(out.read_text())
+    spec = result["spec"]
+    every = result["messages_per_run"] * spec["rounds"]
+    assert result["messages_received"] == {"direct": every, "streamfence": every}
+    assert result["idle"]["sockets"] == spec["idle"] and result["idle"]["kib_per_socket"] > 0
+    assert result["ratio"] > 0 and result["rtt_ms"]["streamfence"]["p50"] > 0
