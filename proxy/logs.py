@@ -199,6 +199,12 @@ def _log_uncaught(
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi")
 
 
+def _refused_upgrade(record: logging.LogRecord) -> bool:
+    # uvicorn says this at ERROR for every WebSocket upgrade the proxy refuses on purpose
+    # with an HTTP response (426, or the upstream's own refusal): not an error of ours.
+    return record.getMessage() != "ASGI callable returned without completing handshake."
+
+
 def configure(level: str, fmt: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
@@ -217,6 +223,7 @@ def configure(level: str, fmt: str) -> None:
         log.handlers.clear()
         log.propagate = True
         log.setLevel(uvicorn_level)
+    logging.getLogger("uvicorn.error").addFilter(_refused_upgrade)
     # Python's warnings and uncaught exceptions (main thread or any other) as log records
     # too, so that in JSON mode not even a traceback breaks the one-object-per-line rule.
     logging.captureWarnings(True)

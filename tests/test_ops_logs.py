@@ -268,3 +268,14 @@ def test_python_warnings_and_uncaught_exceptions_are_json_lines_too() -> None:
     assert thread["error"] == "ZeroDivisionError: division by zero"
     assert (main["level"], main["error"]) == ("critical", "RuntimeError: boom")
     assert "Traceback" in main["traceback"]
+
+
+def test_uvicorns_error_line_for_a_refused_upgrade_is_dropped() -> None:
+    """A WebSocket upgrade the proxy refuses on purpose (426, the upstream's refusal) is
+    not an error: uvicorn's line for it is filtered, its other errors are not."""
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, msg, (), None)
+
+    assert not logs._refused_upgrade(record("ASGI callable returned without completing handshake."))
+    assert logs._refused_upgrade(record("Exception in ASGI application"))
