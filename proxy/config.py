@@ -282,8 +282,13 @@ def _check(config: Config) -> list[str]:
         "redis",
         "rediss",
         "unix",
+        "redis+cluster",
+        "rediss+cluster",
     ):
-        problems.append("registry.url: must be a redis://, rediss:// or unix:// URL")
+        problems.append(
+            "registry.url: must be a redis://, rediss:// or unix:// URL "
+            "(redis+cluster:// or rediss+cluster:// for a Redis Cluster)"
+        )
     if not config.turns.header.strip():
         problems.append("turns.header: must not be empty")
     elif not _HEADER_NAME.fullmatch(config.turns.header):

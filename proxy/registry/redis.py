@@ -9,12 +9,13 @@ once the replaced attempt's process has confirmed (or after ACK_WAIT, if it is g
 as within one process, no event of the older attempt is started after the newer one is
 accepted. Only a retry whose predecessor lives in another process waits for this.
 
-Tokens come from one counter that never goes below Redis's clock in microseconds: a Redis
-restarted without its data still hands out tokens above every token issued before.
+Tokens come from a counter (one per server; one per hash slot in a cluster: see
+`connection`) that never goes below Redis's clock in microseconds: a Redis restarted
+without its data still hands out tokens above every token issued before.
 
-Redis errors become `RegistryUnavailable` here, and only here. `fail_open`: a claim that
-cannot reach Redis returns a lease never superseded (forwarded unfenced, counted, logged);
-`fail_closed`: the claim raises and the caller gets a 503.
+Redis errors become `RegistryUnavailable` (in `connection.translate`). `fail_open`: a claim
+that cannot reach Redis returns a lease never superseded (forwarded unfenced, counted,
+logged); `fail_closed`: the claim raises and the caller gets a 503.
 """
 
 from __future__ import annotations
@@ -25,31 +26,28 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Coroutine, Iterator
+from collections.abc import Awaitable, Coroutine, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from redis.asyncio import Redis
-from redis.asyncio.client import PubSub
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 
 from proxy.config import RegistryConfig
 from proxy.errors import RegistryUnavailable
 from proxy.registry.base import Lease, Registry
+from proxy.registry.connection import COMMAND_TIMEOUT, Keys, connect, translate
 from proxy.registry.scripts import CLAIM, REFRESH, RELEASE
+from proxy.registry.subscriber import Subscriber
 
 log = logging.getLogger("streamfence")
 
-PREFIX = "streamfence:"
-CONNECT_TIMEOUT = 0.5  # a claim sits in front of the first byte: fail fast, not late
-COMMAND_TIMEOUT = 1.0
 ACK_WAIT = 0.05  # the longest a claim waits for another process to confirm a fence
-RECONNECT_MIN, RECONNECT_MAX = 0.05, 0.5
-IDLE_PING = 5.0  # seconds without traffic before the subscriber checks its connection
 WARN_EVERY = 5.0  # seconds between "forwarding unfenced" warnings while Redis is down
+REFRESH_BATCH = 64  # refresh scripts in flight at once on a cluster (no pipeline there)
+
+# A lease named across processes: tokens are unique per turn key (see `connection`).
+Ref = tuple[str, int]
+T = TypeVar("T", bound=Hashable)
 
 
 @dataclass(slots=True)
@@ -58,35 +56,27 @@ class _Local:
     live: int  # claimed here and not yet released, superseded ones included
 
 
-class _Recent:
-    """The last `size` tokens seen: the handshake only ever looks a few milliseconds back."""
+class _Recent(Generic[T]):
+    """The last `size` items seen: the handshake only ever looks a few milliseconds back."""
 
     def __init__(self, size: int = 4096) -> None:
-        self._set: set[int] = set()
-        self._order: deque[int] = deque()
+        self._set: set[T] = set()
+        self._order: deque[T] = deque()
         self._size = size
 
-    def add(self, token: int) -> None:
-        if token not in self._set:
-            self._set.add(token)
-            self._order.append(token)
+    def add(self, item: T) -> None:
+        if item not in self._set:
+            self._set.add(item)
+            self._order.append(item)
             if len(self._order) > self._size:
                 self._set.discard(self._order.popleft())
 
-    def __contains__(self, token: int) -> bool:
-        return token in self._set
+    def __contains__(self, item: object) -> bool:
+        return item in self._set
 
 
-@contextlib.contextmanager
-def _translate(what: str) -> Iterator[None]:
-    """The one boundary where redis (and socket) errors become the project's own."""
-    try:
-        yield
-    except (RedisError, OSError, TimeoutError) as exc:
-        raise RegistryUnavailable(
-            f"streamfence: the shared turn registry (Redis) is unavailable ({what}: "
-            f"{type(exc).__name__})"
-        ) from exc
+def _ref(lease: Lease) -> Ref:
+    return (lease.key, lease.token)
 
 
 class RedisRegistry(Registry):
@@ -94,30 +84,26 @@ class RedisRegistry(Registry):
         self.config = config
         self.fail_open = config.on_unavailable != "fail_closed"
         self.ttl_ms = max(1, int(config.lease_ttl * 1000))
-        self._client: Redis = Redis.from_url(
-            config.url,
-            socket_connect_timeout=CONNECT_TIMEOUT,
-            socket_timeout=COMMAND_TIMEOUT,
-            # One retry, on a connection error only: after Redis restarts, each pooled
-            # connection is dead once. A timeout is not retried: the fail mode decides.
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-        )
-        db = self._client.connection_pool.connection_kwargs.get("db", 0)
-        # Pub/sub ignores the database number: keep deployments on other dbs apart.
-        self.channel = f"{PREFIX}{db}:claims"
-        self._counter = f"{PREFIX}token"
+        self._client = connect(config.url)
+        db = 0
+        if isinstance(self._client, Redis):
+            db = int(self._client.connection_pool.connection_kwargs.get("db", 0))
+        self.keys = Keys(config.url, db)
+        self.channel = self.keys.channel
         self._claim = self._client.register_script(CLAIM)
         self._release = self._client.register_script(RELEASE)
         self._refresh = self._client.register_script(REFRESH)
         self._local: dict[str, _Local] = {}
-        self._by_token: dict[int, Lease] = {}  # claimed here and not yet released
-        self._ended = _Recent()  # released here: confirmed as fenced if asked
-        self._acked = _Recent()  # confirmed fenced by whichever process held them
-        self._waiters: dict[int, list[asyncio.Future[None]]] = {}
+        self._by_ref: dict[Ref, Lease] = {}  # claimed here and not yet released
+        self._ended: _Recent[Ref] = _Recent()  # released here: confirmed as fenced if asked
+        self._acked: _Recent[Ref] = _Recent()  # confirmed fenced by whichever process held them
+        self._waiters: dict[Ref, list[asyncio.Future[None]]] = {}
         self._pending: dict[str, int] = {}  # claims in flight per key
         self._early: dict[str, tuple[int, int]] = {}  # newest claim heard for a pending key
         self._unfenced = itertools.count(-1, -1)  # fail-open tokens: never a Redis token
-        self._subscribed = asyncio.Event()
+        self._subscriber = Subscriber(
+            self._client, self.channel, self._on_message, self._refresh_all
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
         self._warned_at = -WARN_EVERY
@@ -125,11 +111,11 @@ class RedisRegistry(Registry):
 
     @staticmethod
     def entry_key(key: str) -> str:
-        return f"{PREFIX}turn:{key}"
+        return Keys.entry(key)
 
     async def start(self) -> None:
         self._tasks = [
-            asyncio.create_task(self._subscriber(), name="streamfence-registry-subscriber"),
+            asyncio.create_task(self._subscriber.run(), name="streamfence-registry-subscriber"),
             asyncio.create_task(self._refresher(), name="streamfence-registry-refresh"),
         ]
 
@@ -149,10 +135,10 @@ class RedisRegistry(Registry):
             # Availability first: without Redis this process still serves, unfenced (logged
             # and counted). Reporting "not ready" would take every replica out of rotation.
             return True
-        if not self._subscribed.is_set():
+        if not self.subscribed:
             return False
         try:
-            with _translate("ping"):
+            with translate("ping"):
                 await self._client.ping()
         except RegistryUnavailable:
             return False
@@ -161,16 +147,16 @@ class RedisRegistry(Registry):
     @property
     def subscribed(self) -> bool:
         """Claims made by other processes reach this one (the subscription is live)."""
-        return self._subscribed.is_set()
+        return self._subscriber.subscribed.is_set()
 
     async def wait_subscribed(self) -> None:
         """Until the claim subscription is live (tests, benchmarks)."""
-        await self._subscribed.wait()
+        await self._subscriber.subscribed.wait()
 
     async def claim(self, key: str) -> Lease:
         self._pending[key] = self._pending.get(key, 0) + 1
         try:
-            with _translate("claim"):
+            with translate("claim"):
                 token_raw, attempt_raw, prev_raw = await self._claim_shielded(key)
             early = self._early.get(key)
         except RegistryUnavailable:
@@ -185,7 +171,7 @@ class RedisRegistry(Registry):
                 del self._pending[key]
                 self._early.pop(key, None)
         lease = Lease(key, int(token_raw), int(attempt_raw))
-        self._by_token[lease.token] = lease
+        self._by_ref[_ref(lease)] = lease
         local = self._local.get(key)
         if local is None:
             self._local[key] = _Local(lease, 1)
@@ -199,12 +185,12 @@ class RedisRegistry(Registry):
         if early is not None and early[0] > lease.token:
             # Another process's newer claim was heard before this claim's own reply.
             lease.supersede(newer_attempt=early[1])
-            self._ack(lease.token)
-        prev = int(prev_raw)
-        replaced = self._by_token.get(prev)
+            self._ack(_ref(lease))
+        prev = (key, int(prev_raw))
+        replaced = self._by_ref.get(prev)
         if replaced is not None:  # this process's own: fenced here and now
             replaced.supersede(newer_attempt=lease.attempt)
-        elif prev and prev not in self._ended:
+        elif prev[1] and prev not in self._ended:
             try:
                 await self._confirmed(prev, lease)
             except asyncio.CancelledError:
@@ -217,7 +203,8 @@ class RedisRegistry(Registry):
         # entry it created must not be left to linger for a whole TTL.
         call = asyncio.ensure_future(
             self._claim(
-                keys=[self.entry_key(key), self._counter], args=[self.ttl_ms, self.channel, key]
+                keys=[self.keys.entry(key), self.keys.counter(key)],
+                args=[self.ttl_ms, self.channel, key],
             )
         )
         try:
@@ -231,10 +218,10 @@ class RedisRegistry(Registry):
         if call.cancelled() or call.exception() is not None:
             return
         orphan = Lease(key, int(call.result()[0]), int(call.result()[1]))
-        self._ended.add(orphan.token)
+        self._ended.add(_ref(orphan))
         self._spawn(self._release_entry(orphan))
 
-    async def _confirmed(self, prev: int, lease: Lease) -> None:
+    async def _confirmed(self, prev: Ref, lease: Lease) -> None:
         """Until the process holding `prev` (replaced by `lease`) says it is fenced."""
         if prev in self._acked:
             return
@@ -257,12 +244,12 @@ class RedisRegistry(Registry):
             if not waiters:
                 self._waiters.pop(prev, None)
 
-    def _ack(self, token: int) -> None:
-        """Tell the claimer that replaced `token` that its attempt is fenced here."""
+    def _ack(self, ref: Ref) -> None:
+        """Tell the claimer that replaced `ref` that its attempt is fenced here."""
 
         async def publish() -> None:
-            with contextlib.suppress(RegistryUnavailable), _translate("confirm"):
-                await self._client.publish(self.channel, f"f {token}")
+            with contextlib.suppress(RegistryUnavailable), translate("confirm"):
+                await self._client.publish(self.channel, f"f {ref[1]} {ref[0]}")
 
         self._spawn(publish())
 
@@ -290,9 +277,9 @@ class RedisRegistry(Registry):
     async def release(self, lease: Lease) -> None:
         if lease.token < 0:
             return  # forwarded unfenced: never entered the registry
-        if self._by_token.pop(lease.token, None) is None:
+        if self._by_ref.pop(_ref(lease), None) is None:
             return  # released already
-        self._ended.add(lease.token)
+        self._ended.add(_ref(lease))
         local = self._local.get(lease.key)
         if local is not None:
             local.live -= 1
@@ -302,7 +289,7 @@ class RedisRegistry(Registry):
 
     async def _release_entry(self, lease: Lease) -> None:
         try:
-            with _translate("release"):
+            with translate("release"):
                 await self._release(keys=[self.entry_key(lease.key)], args=[str(lease.token)])
         except RegistryUnavailable as exc:
             # The stream has ended either way; the entry expires with its TTL.
@@ -316,83 +303,35 @@ class RedisRegistry(Registry):
         local = self._local.get(key)
         if local is not None and local.holder.token < token:
             local.holder.supersede(newer_attempt=attempt)
-        replaced = self._by_token.get(prev)
+        replaced = self._by_ref.get((key, prev))
         if replaced is not None:
             replaced.supersede(newer_attempt=attempt)
-            if token not in self._by_token:  # a claim of this process needs no message
-                self._ack(prev)
-        elif prev in self._ended:
-            self._ack(prev)
+            if (key, token) not in self._by_ref:  # a claim of this process needs no message
+                self._ack((key, prev))
+        elif (key, prev) in self._ended:
+            self._ack((key, prev))
         if key in self._pending:
             early = self._early.get(key)
             if early is None or early[0] < token:
                 self._early[key] = (token, attempt)
 
-    def _confirmed_by_holder(self, token: int) -> None:
-        self._acked.add(token)
-        for waiter in self._waiters.pop(token, []):
+    def _confirmed_by_holder(self, ref: Ref) -> None:
+        self._acked.add(ref)
+        for waiter in self._waiters.pop(ref, []):
             if not waiter.done():
                 waiter.set_result(None)
 
-    def _on_message(self, message: dict[str, Any]) -> None:
-        if message.get("type") != "message":
-            return
+    def _on_message(self, data: bytes) -> None:
         try:
-            kind, _, rest = message["data"].decode().partition(" ")
+            kind, _, rest = data.decode().partition(" ")
             if kind == "c":
                 token, attempt, prev, key = rest.split(" ", 3)
                 self._heard(int(token), int(attempt), int(prev), key)
             elif kind == "f":
-                self._confirmed_by_holder(int(rest))
+                token, key = rest.split(" ", 1)
+                self._confirmed_by_holder((key, int(token)))
         except (ValueError, UnicodeDecodeError):
             log.warning("streamfence: ignored a malformed message on %s", self.channel)
-
-    async def _subscriber(self) -> None:
-        delay = RECONNECT_MIN
-        while True:
-            pubsub: PubSub = self._client.pubsub()
-            try:
-                with _translate("subscribe"):
-                    await self._listen(pubsub)
-            except RegistryUnavailable as exc:
-                if self._subscribed.is_set():
-                    log.warning("%s; fencing across processes paused", exc.message)
-            except Exception:  # a bug here must not end fencing across processes for good
-                log.exception("streamfence: the registry subscriber failed; reconnecting")
-            finally:
-                if self._subscribed.is_set():
-                    delay = RECONNECT_MIN  # it was up: retry soon, back off from there
-                self._subscribed.clear()
-                with contextlib.suppress(RedisError, OSError, TimeoutError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RECONNECT_MAX)
-
-    async def _listen(self, pubsub: PubSub) -> None:
-        await pubsub.subscribe(self.channel)
-        while True:  # the confirmation: from here on no claim message is missed
-            message = await pubsub.get_message(timeout=COMMAND_TIMEOUT)
-            if message is None:
-                raise TimeoutError("no subscribe confirmation")
-            if message["type"] == "subscribe":
-                break
-            self._on_message(message)
-        await self._refresh_all()  # catch up on claims made while we were not listening
-        if not self._subscribed.is_set():
-            log.info("streamfence: subscribed to %s", self.channel)
-        self._subscribed.set()
-        idle = 0.0
-        while True:
-            message = await pubsub.get_message(timeout=1.0)
-            if message is not None:
-                idle = 0.0
-                self._on_message(message)
-                continue
-            idle += 1.0
-            if idle == IDLE_PING:
-                await pubsub.ping()  # its reply arrives as a message and resets `idle`
-            elif idle > IDLE_PING + COMMAND_TIMEOUT * 2:
-                raise TimeoutError("the subscription stopped answering")
 
     async def _refresher(self) -> None:
         every = max(0.05, self.ttl_ms / 3000)
@@ -411,16 +350,26 @@ class RedisRegistry(Registry):
         holders = [local.holder for local in self._local.values() if not local.holder.superseded]
         if not holders:
             return
-        with _translate("refresh"):
-            async with self._client.pipeline(transaction=False) as pipe:
-                for lease in holders:
-                    await self._refresh(
-                        keys=[self.entry_key(lease.key)],
-                        args=[str(lease.token), self.ttl_ms],
-                        client=pipe,
-                    )
-                replies = await pipe.execute()
+        with translate("refresh"):
+            replies = await self._refresh_entries(holders)
         for lease, (token, attempt) in zip(holders, replies, strict=True):
             if token is not None and int(token) > lease.token:
                 lease.supersede(newer_attempt=int(attempt))
-                self._ack(lease.token)
+                self._ack(_ref(lease))
+
+    async def _refresh_entries(self, holders: list[Lease]) -> list[Any]:
+        def call(lease: Lease, client: Any = None) -> Awaitable[Any]:
+            args: list[str | int] = [str(lease.token), self.ttl_ms]
+            return self._refresh(keys=[self.keys.entry(lease.key)], args=args, client=client)
+
+        if isinstance(self._client, Redis):  # one round trip for them all
+            async with self._client.pipeline(transaction=False) as pipe:
+                for lease in holders:
+                    await call(lease, pipe)
+                return list(await pipe.execute())
+        # A cluster's entries live on several nodes: concurrent calls, a batch at a time.
+        replies: list[Any] = []
+        for i in range(0, len(holders), REFRESH_BATCH):
+            batch = holders[i : i + REFRESH_BATCH]
+            replies += await asyncio.gather(*(call(lease) for lease in batch))
+        return replies
