@@ -15,8 +15,12 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+
+import pytest
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from tests.upstream import free_port
 
@@ -200,3 +204,61 @@ def running_cluster() -> Iterator[RedisClusterServer]:
             yield cluster
         finally:
             cluster.stop()
+
+
+# One Redis server, or a three-master Redis Cluster: the registry's tests run on both.
+Server = RedisServer | RedisClusterServer
+BACKENDS = [
+    "single",
+    pytest.param(
+        "cluster", marks=pytest.mark.skipif(REDIS_CLI is None, reason="redis-cli is not installed")
+    ),
+]
+
+
+@pytest.fixture(scope="session")
+def shared_cluster() -> Iterator[RedisClusterServer]:
+    """One cluster for the tests that leave it running (it takes ~2 s to form)."""
+    with running_cluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture(params=BACKENDS)
+def redis_server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    if request.param == "cluster":
+        cluster: RedisClusterServer = request.getfixturevalue("shared_cluster")
+        cluster.flush()
+        yield cluster
+        return
+    with running_redis() as server:
+        yield server
+
+
+@pytest.fixture(params=BACKENDS)
+def restartable_redis(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """For tests that kill Redis: a server, or a cluster of its own."""
+    if request.param == "cluster":
+        with running_cluster() as cluster:
+            yield cluster
+        return
+    with running_redis() as server:
+        yield server
+
+
+@pytest.fixture
+def single_redis() -> Iterator[RedisServer]:
+    with running_redis() as server:
+        yield server
+
+
+@asynccontextmanager
+async def redis_client(server: Server) -> AsyncIterator[Redis | RedisCluster]:
+    client: Redis | RedisCluster
+    if isinstance(server, RedisClusterServer):
+        client = RedisCluster(host="127.0.0.1", port=server.ports[0])
+    else:
+        client = Redis.from_url(server.url)
+    try:
+        yield client
+    finally:
+        await client.aclose()

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -27,12 +27,11 @@ from proxy.config import ConfigError, RegistryConfig, load
 from proxy.registry.redis import ACK_WAIT, RedisRegistry
 from tests.conftest import Proxy, ProxyFactory
 from tests.redis_server import (
-    REDIS_CLI,
     REDIS_SERVER,
     RedisClusterServer,
     RedisServer,
-    running_cluster,
-    running_redis,
+    Server,
+    redis_client,
 )
 from tests.sse_client import Event, chat_body, events, open_stream
 from tests.upstream import ScriptedUpstream, Seen, free_port
@@ -43,64 +42,6 @@ pytestmark = pytest.mark.skipif(
 
 CHAT = "/v1/chat/completions"
 ROOT = Path(__file__).resolve().parent.parent
-
-
-# One Redis server, or a three-master Redis Cluster: the registry's tests run on both.
-Server = RedisServer | RedisClusterServer
-BACKENDS = [
-    "single",
-    pytest.param(
-        "cluster", marks=pytest.mark.skipif(REDIS_CLI is None, reason="redis-cli is not installed")
-    ),
-]
-
-
-@pytest.fixture(scope="session")
-def shared_cluster() -> Iterator[RedisClusterServer]:
-    """One cluster for the tests that leave it running (it takes ~2 s to form)."""
-    with running_cluster() as cluster:
-        yield cluster
-
-
-@pytest.fixture(params=BACKENDS)
-def redis_server(request: pytest.FixtureRequest) -> Iterator[Server]:
-    if request.param == "cluster":
-        cluster: RedisClusterServer = request.getfixturevalue("shared_cluster")
-        cluster.flush()
-        yield cluster
-        return
-    with running_redis() as server:
-        yield server
-
-
-@pytest.fixture(params=BACKENDS)
-def restartable_redis(request: pytest.FixtureRequest) -> Iterator[Server]:
-    """For tests that kill Redis: a server, or a cluster of its own."""
-    if request.param == "cluster":
-        with running_cluster() as cluster:
-            yield cluster
-        return
-    with running_redis() as server:
-        yield server
-
-
-@pytest.fixture
-def single_redis() -> Iterator[RedisServer]:
-    with running_redis() as server:
-        yield server
-
-
-@asynccontextmanager
-async def redis_client(server: Server) -> AsyncIterator[Redis | RedisCluster]:
-    client: Redis | RedisCluster
-    if isinstance(server, RedisClusterServer):
-        client = RedisCluster(host="127.0.0.1", port=server.ports[0])
-    else:
-        client = Redis.from_url(server.url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
 
 
 async def _subscribers(server: Server, channel: str = "streamfence:0:claims") -> int:

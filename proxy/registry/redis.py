@@ -36,6 +36,7 @@ from proxy.config import RegistryConfig
 from proxy.errors import RegistryUnavailable
 from proxy.registry.base import Lease, Registry
 from proxy.registry.connection import COMMAND_TIMEOUT, Keys, connect, translate
+from proxy.registry.genlog import GenerationLog
 from proxy.registry.scripts import CLAIM, REFRESH, RELEASE
 from proxy.registry.subscriber import Subscriber
 
@@ -108,6 +109,13 @@ class RedisRegistry(Registry):
         self._background: set[asyncio.Task[Any]] = set()
         self._warned_at = -WARN_EVERY
         self._suppressed = 0
+        self._log: GenerationLog | None = None
+
+    def generation_log(self) -> GenerationLog:
+        """The generation log (`genlog`), on this registry's Redis connection."""
+        if self._log is None:
+            self._log = GenerationLog(self._client)
+        return self._log
 
     @staticmethod
     def entry_key(key: str) -> str:
