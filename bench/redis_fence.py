@@ -38,7 +38,7 @@ import httpx
 import uvicorn
 from redis.asyncio import Redis
 
-from tests.redis_server import running_redis
+from tests.redis_server import RedisClusterServer, Server, running_cluster, running_redis
 from tests.upstream import ScriptedUpstream, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,17 +114,20 @@ async def proxy_process(upstream: str, *extra: str) -> AsyncIterator[str]:
             proc.wait(15)
 
 
-async def wait_subscribers(redis_url: str, n: int) -> None:
-    # readyz is 200 in fail_open mode before the subscription is live; count listeners.
-    client = Redis.from_url(redis_url)
-    try:
-        deadline = time.monotonic() + 30
-        while (await client.pubsub_numsub("streamfence:0:claims"))[0][1] < n:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the proxies did not subscribe")
-            await asyncio.sleep(0.05)
-    finally:
-        await client.aclose()
+async def wait_subscribers(redis: Server, n: int) -> None:
+    # readyz is 200 in fail_open mode before the subscription is live; count listeners
+    # (in a cluster, each process subscribes on every master).
+    ports = redis.ports if isinstance(redis, RedisClusterServer) else [redis.port]
+    for port in ports:
+        client = Redis(host="127.0.0.1", port=port)
+        try:
+            deadline = time.monotonic() + 30
+            while (await client.pubsub_numsub("streamfence:0:claims"))[0][1] < n:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the proxies did not subscribe")
+                await asyncio.sleep(0.05)
+        finally:
+            await client.aclose()
 
 
 def body(prefix: str, **script: Any) -> dict[str, Any]:
@@ -182,15 +185,15 @@ def describe(values: list[float]) -> str:
     )
 
 
-async def main(rounds: int, ttfb_rounds: int) -> None:
+async def main(rounds: int, ttfb_rounds: int, cluster: bool = False) -> None:
     upstream = ScriptedUpstream()
-    with running_redis() as redis:
+    with running_cluster() if cluster else running_redis() as redis:
         async with serve_upstream(upstream) as up_url, AsyncExitStack() as stack:
             upstream.url = up_url
             ra = await stack.enter_async_context(proxy_process(up_url, "--registry-url", redis.url))
             rb = await stack.enter_async_context(proxy_process(up_url, "--registry-url", redis.url))
             mem = await stack.enter_async_context(proxy_process(up_url))
-            await wait_subscribers(redis.url, 2)
+            await wait_subscribers(redis, 2)
             clients = {
                 name: await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=10))
                 for name, url in (("a", ra), ("b", rb), ("mem", mem), ("direct", up_url))
@@ -234,8 +237,9 @@ def cli() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.redis_fence")
     parser.add_argument("--rounds", type=int, default=100, help="fence measurements")
     parser.add_argument("--ttfb", type=int, default=300, help="ttfb requests per target")
+    parser.add_argument("--cluster", action="store_true", help="a three-master Redis Cluster")
     args = parser.parse_args()
-    asyncio.run(main(args.rounds, args.ttfb))
+    asyncio.run(main(args.rounds, args.ttfb, args.cluster))
 
 
 if __name__ == "__main__":

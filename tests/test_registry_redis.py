@@ -44,18 +44,19 @@ CHAT = "/v1/chat/completions"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-async def _subscribers(server: Server, channel: str = "streamfence:0:claims") -> int:
-    """Processes subscribed to `channel`: in a cluster, summed over its nodes."""
+async def _subscribers(server: Server, channel: str = "streamfence:0:claims") -> list[int]:
+    """Subscribers of `channel` on each node (in a cluster, each process subscribes on
+    every master)."""
     ports = server.ports if isinstance(server, RedisClusterServer) else [server.port]
-    total = 0
+    counts = []
     for port in ports:
         node = Redis(host="127.0.0.1", port=port)
         try:
             [(_, count)] = await node.pubsub_numsub(channel)
-            total += int(count)
+            counts.append(int(count))
         finally:
             await node.aclose()
-    return total
+    return counts
 
 
 def _redis_overrides(server: Server, **extra: Any) -> dict[str, Any]:
@@ -153,7 +154,7 @@ async def _wait_subscribers(server: Server, n: int) -> None:
     """Until n processes listen for claims (readyz does not say so in fail_open mode)."""
 
     async def subscribed() -> bool:
-        return await _subscribers(server) == n
+        return all(count == n for count in await _subscribers(server))
 
     await _until(subscribed, within=20)
 
@@ -267,6 +268,39 @@ async def test_claims_fence_across_registries_and_stale_release_keeps_the_newer(
     finally:
         await a.close()
         await b.close()
+
+
+async def test_tokens_never_repeat_for_a_key_even_after_redis_loses_its_data(
+    redis_server: Server,
+) -> None:
+    """The counter (one per server; one per slot in a cluster) is floored by Redis's
+    clock, so a Redis that comes back empty still hands out larger tokens."""
+    registry = RedisRegistry(RegistryConfig(backend="redis", url=redis_server.url))
+    await registry.start()
+    try:
+        keys = [f"t{i}" for i in range(40)]
+        first = {k: await registry.claim(k) for k in keys}
+        again = {k: await registry.claim(k) for k in keys}
+        assert all(again[k].token > first[k].token for k in keys)
+        async with redis_client(redis_server) as r:
+            await r.flushall()  # every node: as a restart without persistence
+        after = {k: await registry.claim(k) for k in keys}
+        assert all(after[k].token > again[k].token for k in keys)
+        assert all(after[k].attempt == 1 for k in keys)  # the entries went with the data
+        for lease in [*first.values(), *again.values(), *after.values()]:
+            await registry.release(lease)
+        if isinstance(redis_server, RedisClusterServer):
+            # The turns' entries and counters spread over the masters: no single hot node.
+            keys_per_node = []
+            for port in redis_server.ports:
+                node = Redis(host="127.0.0.1", port=port)
+                try:
+                    keys_per_node.append(await node.dbsize())
+                finally:
+                    await node.aclose()
+            assert sum(1 for n in keys_per_node if n > 0) == 3, keys_per_node
+    finally:
+        await registry.close()
 
 
 async def test_a_newer_claim_heard_before_the_own_reply_still_fences(

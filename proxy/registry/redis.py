@@ -25,10 +25,9 @@ import contextlib
 import itertools
 import logging
 import time
-from collections import deque
-from collections.abc import Awaitable, Coroutine, Hashable
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -38,7 +37,7 @@ from proxy.registry.base import Lease, Registry
 from proxy.registry.connection import COMMAND_TIMEOUT, Keys, connect, translate
 from proxy.registry.genlog import GenerationLog
 from proxy.registry.scripts import CLAIM, REFRESH, RELEASE
-from proxy.registry.subscriber import Subscriber
+from proxy.registry.subscriber import Recent, Subscriber
 
 log = logging.getLogger("streamfence")
 
@@ -48,32 +47,12 @@ REFRESH_BATCH = 64  # refresh scripts in flight at once on a cluster (no pipelin
 
 # A lease named across processes: tokens are unique per turn key (see `connection`).
 Ref = tuple[str, int]
-T = TypeVar("T", bound=Hashable)
 
 
 @dataclass(slots=True)
 class _Local:
     holder: Lease  # the newest lease this process holds for the key
     live: int  # claimed here and not yet released, superseded ones included
-
-
-class _Recent(Generic[T]):
-    """The last `size` items seen: the handshake only ever looks a few milliseconds back."""
-
-    def __init__(self, size: int = 4096) -> None:
-        self._set: set[T] = set()
-        self._order: deque[T] = deque()
-        self._size = size
-
-    def add(self, item: T) -> None:
-        if item not in self._set:
-            self._set.add(item)
-            self._order.append(item)
-            if len(self._order) > self._size:
-                self._set.discard(self._order.popleft())
-
-    def __contains__(self, item: object) -> bool:
-        return item in self._set
 
 
 def _ref(lease: Lease) -> Ref:
@@ -96,8 +75,8 @@ class RedisRegistry(Registry):
         self._refresh = self._client.register_script(REFRESH)
         self._local: dict[str, _Local] = {}
         self._by_ref: dict[Ref, Lease] = {}  # claimed here and not yet released
-        self._ended: _Recent[Ref] = _Recent()  # released here: confirmed as fenced if asked
-        self._acked: _Recent[Ref] = _Recent()  # confirmed fenced by whichever process held them
+        self._ended: Recent[Ref] = Recent()  # released here: confirmed as fenced if asked
+        self._acked: Recent[Ref] = Recent()  # confirmed fenced by whichever process held them
         self._waiters: dict[Ref, list[asyncio.Future[None]]] = {}
         self._pending: dict[str, int] = {}  # claims in flight per key
         self._early: dict[str, tuple[int, int]] = {}  # newest claim heard for a pending key
