@@ -22,10 +22,12 @@ from proxy.config import RegistryConfig
 from proxy.errors import GenerationLost
 from proxy.registry.genlog import (
     DETECT_WITHIN,
+    HEARTBEAT,
     READER_TTL,
     Batch,
     GenerationLog,
     LogReader,
+    LogWriter,
 )
 from proxy.registry.redis import RedisRegistry
 from tests.redis_server import REDIS_SERVER, RedisClusterServer, Server, redis_client
@@ -76,6 +78,15 @@ async def _until(check: Any, within: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
+async def _readers(writer: LogWriter, n: int) -> None:
+    """Until the writer counts n readers: it recounts at least every HEARTBEAT."""
+
+    async def counted() -> bool:
+        return writer.readers == n
+
+    await _until(counted, within=HEARTBEAT * 3)
+
+
 async def test_a_follower_elsewhere_catches_up_then_follows_live_in_order(
     redis_server: Server,
 ) -> None:
@@ -108,8 +119,7 @@ async def test_a_follower_elsewhere_catches_up_then_follows_live_in_order(
             live = [(i, ev(i)) for i in range(3, 42)]
             assert _flat(await _take(reader, 39)) == live
             assert _flat(await _take(resumed, 39)) == live
-            await writer.flushed()
-            assert writer.readers == 2  # both registered, seen by the writer's last write
+            await _readers(writer, 2)  # both registered, counted by the writer
             await writer.end("completed")
             assert [batch async for batch in reader] == []
             assert reader.outcome == "completed"
@@ -131,12 +141,9 @@ async def test_the_writer_counts_readers_of_every_process_and_forgets_crashed_on
         rb = await b.generation_log().follow("k", 7)
         rc = await c.generation_log().follow("k", 7)
         writer.append([ev(0)])
-        await writer.flushed()
-        assert writer.readers == 2
+        await _readers(writer, 2)
         await rb.aclose()
-        writer.append([ev(1)])
-        await writer.flushed()
-        assert writer.readers == 1
+        await _readers(writer, 1)
         # A reader whose process dies stops refreshing: it is not counted after its TTL.
         assert rc._keepalive is not None
         rc._keepalive.cancel()

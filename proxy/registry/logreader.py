@@ -17,6 +17,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from redis.asyncio.cluster import RedisCluster
+
 from proxy.errors import GenerationLost, RegistryUnavailable
 from proxy.registry.connection import translate
 
@@ -145,15 +147,24 @@ class LogReader:
         if self._error is not None:
             raise self._error
         with self._lost("unavailable"):
-            reply: Any = await self.log.client.xread(
-                {self._keys[0]: self._last_id}, count=READ_COUNT, block=int(CHECK_EVERY * 1000)
-            )
+            reply = await self._xread()
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
                 self._last_id = entry_id
                 self._take(fields)
                 if self.outcome is not None:
                     return
+
+    async def _xread(self) -> Any:
+        client, stream = self.log.client, self._keys[0]
+        block = int(CHECK_EVERY * 1000)
+        if not isinstance(client, RedisCluster):
+            return await client.xread({stream: self._last_id}, count=READ_COUNT, block=block)
+        # Named node: the cluster client would otherwise ask a node for XREAD's keys
+        # (COMMAND GETKEYS) before every read, a second round trip.
+        args = ("COUNT", READ_COUNT, "BLOCK", block, "STREAMS", stream, self._last_id)
+        node = client.get_node_from_key(stream)
+        return await client.execute_command("XREAD", *args, target_nodes=node)
 
     def _take(self, f: dict[bytes, bytes]) -> None:
         kind = f.get(b"k")

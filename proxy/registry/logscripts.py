@@ -26,7 +26,8 @@ return nows
 """
 )
 
-# ARGV: ttl ms, maxlen, entry kind ('' for a heartbeat: no entry), m, then m meta field
+# ARGV: ttl ms ('0': a batch between refreshes, which neither extends the expiry nor counts
+# the readers: -2), maxlen, entry kind ('' for a heartbeat: no entry), m, then m meta field
 # pairs, then the entry's field pairs. Stamps the writer's liveness (`at`; a batch also
 # `last`, the time of the last upstream byte, for the health rule), extends every
 # key's expiry and returns how many readers are registered, or -1 if the log is gone
@@ -50,6 +51,7 @@ if ARGV[3] ~= '' then
   for i = 5 + 2 * m, #ARGV do xadd[#xadd + 1] = ARGV[i] end
   redis.call(unpack(xadd))
 end
+if ARGV[1] == '0' then return -2 end
 for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', nows)
 return redis.call('ZCARD', KEYS[3])

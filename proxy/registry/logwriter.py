@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -48,6 +49,7 @@ class LogWriter:
         self._next = 0  # index of the next event appended
         self._pending = 0  # bytes queued
         self._ending = False
+        self._refreshed = 0.0  # when the last write extended the expiry and counted readers
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # nothing queued, nothing being sent
         self._idle.set()
@@ -129,10 +131,11 @@ class LogWriter:
             except RegistryUnavailable as exc:
                 self._give_up(exc.message)
                 return
-            if count < 0:
+            if count == -1:
                 self._give_up("Redis lost the log (restarted, or evicted it)")
                 return
-            self.readers = count
+            if count >= 0:
+                self.readers = count
             if not self._queue:
                 self._idle.set()
             if write.kind == "e":
@@ -141,6 +144,11 @@ class LogWriter:
     async def _send(self, write: _Write) -> Any:
         entry = write.entry
         ttl = self.log.linger_ms if write.kind == "e" else self.log.ttl_ms
+        now = time.monotonic()
+        if write.kind == "b" and now - self._refreshed < HEARTBEAT:
+            ttl = 0  # a busy stream: expiry and reader count once per HEARTBEAT, not per batch
+        else:
+            self._refreshed = now
         meta = list(write.meta)
         if write.kind == "b":
             first, events = entry
