@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,16 +27,16 @@ from starlette.types import Receive as ASGIReceive
 from starlette.types import Scope
 from starlette.types import Send as ASGISend
 
-from proxy import dialects, logs, shutdown, status, turns
-from proxy.config import Config
+from proxy import dialects, follow, logs, shutdown, status, turns
+from proxy.config import Config, UpstreamConfig
 from proxy.errors import BodyTooLarge, NoRoute, StreamfenceError, Unauthorized
-from proxy.join import JoinPlan, JoinRelay
+from proxy.follow import Attempt, Decision, Generations, Policy
+from proxy.generation import Ask, Budget, Generation
 from proxy.logs import Record
 from proxy.metrics import Metrics
 from proxy.registry import MemoryRegistry, Registry
-from proxy.relay import Exchange, Receive, Relay, Send, error_response_parts
+from proxy.relay import Exchange, Receive, Send, Subscriber, error_response_parts
 from proxy.routing import RESERVED_PREFIX, Router, request_headers
-from proxy.turnstream import Budget, StreamTable
 from proxy.upstream import UpstreamClient, build_request, create_client
 
 ACCESS_TOKEN_HEADER = b"x-streamfence-token"
@@ -46,6 +47,10 @@ log = logging.getLogger("streamfence")
 
 class ClientLeft(Exception):
     """The client disconnected while the proxy was still reading its request."""
+
+
+class NothingLeft(Exception):
+    """A resume from the last event of a completed generation: nothing more to send."""
 
 
 class Runtime:
@@ -61,21 +66,23 @@ class Runtime:
         self.turn_header = config.turns.header.lower().encode("latin-1")
         self.drop_headers = {self.turn_header, ACCESS_TOKEN_HEADER}
         self.token = config.server.access_token.encode()
-        self.active: set[Relay] = set()  # in flight: for the status page and shutdown
+        self.active: set[Subscriber] = set()  # in flight: for the status page and shutdown
         self._idle = asyncio.Event()  # set while nothing is in flight
         self._idle.set()
-        budget = Budget(config.server.join_buffer_total_bytes)
-        self.join_tables = {
-            up.name: StreamTable(up, budget) for up in config.upstream if up.on_retry != "supersede"
-        }
+        self.budget = Budget(config.server.join_buffer_total_bytes)
+        self.generations: Generations | None = None  # with the client, in the lifespan
         self.status = status.StatusBoard()
+        self.policies = {
+            up.name: Policy(up.on_retry, up.healthy_within, up.replay_fingerprints)
+            for up in config.upstream
+        }
 
-    def begin(self, relay: Relay) -> None:
+    def begin(self, relay: Subscriber) -> None:
         self.active.add(relay)
         self._idle.clear()
         self.status.changed()
 
-    def end(self, relay: Relay) -> None:
+    def end(self, relay: Subscriber) -> None:
         self.active.discard(relay)
         if not self.active:
             self._idle.set()
@@ -102,7 +109,7 @@ class Runtime:
 
 
 class ProxyEndpoint:
-    """Every path outside /_streamfence/: read the request, resolve its turn, relay it."""
+    """Every path outside /_streamfence/: read the request, find its generation, relay it."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
@@ -119,9 +126,16 @@ class ProxyEndpoint:
         record.dialect = dialects.detect(path)
         own = [(REQUEST_ID_HEADER, request_id.encode())]
         try:
-            exchange, plan = await self._accept(path, query, headers, receive, record, own)
+            generation, exchange = await self._accept(path, query, headers, receive, record, own)
         except ClientLeft:
             record.outcome = "client_gone"
+            rt.finished(record, None)
+            return
+        except NothingLeft:
+            # 204 also tells a browser's EventSource to stop reconnecting.
+            record.outcome, record.status, record.source = "completed", 204, "resumed"
+            await send({"type": "http.response.start", "status": 204, "headers": own})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
             rt.finished(record, None)
             return
         except StreamfenceError as exc:
@@ -131,17 +145,12 @@ class ProxyEndpoint:
             await send(body)
             rt.finished(record, None)
             return
-        assert rt.client is not None
-        relay = (
-            Relay(exchange, rt.client, rt.registry, record, rt.finished)
-            if plan is None
-            else JoinRelay(exchange, rt.client, rt.registry, record, rt.finished, plan)
-        )
-        rt.begin(relay)
+        subscriber = Subscriber(generation, exchange, record, rt.finished)
+        rt.begin(subscriber)
         try:
-            await relay(scope, receive, send)
+            await subscriber(scope, receive, send)
         finally:
-            rt.end(relay)
+            rt.end(subscriber)
 
     async def _accept(
         self,
@@ -151,7 +160,10 @@ class ProxyEndpoint:
         receive: Receive,
         record: Record,
         own: list[tuple[bytes, bytes]],
-    ) -> tuple[Exchange, JoinPlan | None]:
+    ) -> tuple[Generation, Exchange]:
+        """The request's generation (a new one started, or a running one to follow) and what
+        its subscriber needs. Starting a generation is the last step: nothing may fail
+        between it and the subscriber that owns it."""
         rt = self.rt
         if path == RESERVED_PREFIX or path.startswith(RESERVED_PREFIX + "/"):
             raise NoRoute("streamfence: no such endpoint under /_streamfence/")
@@ -159,6 +171,7 @@ class ProxyEndpoint:
             raise Unauthorized(
                 "streamfence: this proxy needs its access token in the x-streamfence-token header"
             )
+        query, query_turn = turns.split_query_turn(query, rt.config.turns.query_param)
         route = rt.router.route(path, query)
         up = route.upstream
         record.upstream = up.name
@@ -173,47 +186,69 @@ class ProxyEndpoint:
             path=route.path,
             use_fingerprint=up.fingerprint,
             ignore_fields=rt.config.turns.ignore_fields,
+            query_turn_id=query_turn,
         )
-        if turn is not None:
-            record.turn = turn.short
-        assert rt.client is not None
-        plan = self._join_plan(up.name, turn, route.path, body, headers)
-        drop = rt.drop_headers if plan is None else rt.drop_headers | {LAST_EVENT_ID}
+        short = "" if turn is None else turn.short
+        record.turn = short
+        last_event_id = next((v for n, v in headers if n == LAST_EVENT_ID), None)
+        decision = self._decide(up, turn, last_event_id)
+        if decision.refused:
+            rt.metrics.follow_refused.labels(up.name, decision.refused).inc()
+        write_timeout = rt.config.server.write_timeout
+        if decision.action == follow.FOLLOW:
+            assert decision.generation is not None
+            record.source = decision.how
+            exchange = Exchange(
+                record.dialect, short, decision.how, decision.cursor, own, write_timeout
+            )
+            return decision.generation, exchange
+        if decision.action == follow.NOTHING_LEFT:
+            raise NothingLeft
+        beside = decision.action == follow.BESIDE
+        keyed = turn is not None and not beside
+        stamp = keyed and (
+            up.event_ids == "always" or (up.event_ids == "auto" and record.dialect == dialects.SSE)
+        )
+        # The proxy's own event ids replace the upstream's: a Last-Event-ID is one of ours.
+        drop = rt.drop_headers | {LAST_EVENT_ID} if stamp else rt.drop_headers
         out_headers = request_headers(headers, drop)
         if not any(n == REQUEST_ID_HEADER for n, _ in out_headers):
             out_headers.append((REQUEST_ID_HEADER, record.request_id.encode()))
-        request = build_request(record.method, route.url, out_headers, body, up)
-        exchange = Exchange(
-            request=request,
-            upstream_name=up.name,
-            dialect=record.dialect,
-            turn=turn,
+        followable = keyed and up.on_retry != "supersede"
+        ask = Ask(
+            request=build_request(record.method, route.url, out_headers, body, up),
+            upstream=up.name,
+            key=turn.key if keyed and turn is not None else None,
+            body_hash=None if turn is None else turn.body_fingerprint,
+            streaming=turn is not None and turn.streaming,
             max_event_bytes=up.max_event_bytes,
-            extra_headers=own,
-            write_timeout=rt.config.server.write_timeout,
+            buffer_bytes=up.join_buffer_bytes,
+            stamp_ids=stamp,
+            followable=followable,
+            retain_for=up.replay_window if followable else 0.0,
         )
-        return exchange, plan
+        record.source = decision.how
+        assert rt.generations is not None
+        generation = rt.generations.start(ask)
+        rt.metrics.generations.labels(up.name).inc()
+        return generation, Exchange(record.dialect, short, decision.how, 0, own, write_timeout)
 
-    def _join_plan(
-        self,
-        name: str,
-        turn: turns.TurnKey | None,
-        path: str,
-        body: bytes,
-        headers: list[tuple[bytes, bytes]],
-    ) -> JoinPlan | None:
-        """For join/adaptive upstreams: what the join relay needs (None: supersede)."""
-        table = self.rt.join_tables.get(name)
-        if table is None or turn is None:
-            return None
-        body_hash = turn.body_fingerprint or turns.fingerprint(
-            name, path, body, self.rt.config.turns.ignore_fields
+    def _decide(
+        self, up: UpstreamConfig, turn: turns.TurnKey | None, last_event_id: bytes | None
+    ) -> Decision:
+        generations = self.rt.generations
+        assert generations is not None
+        if turn is None:
+            return Decision(follow.NEW)
+        live = generations.lookup(turn.key)
+        if live is None:
+            if generations.nothing_left(turn.key, last_event_id):
+                return Decision(follow.NOTHING_LEFT)
+            return Decision(follow.NEW)
+        attempt = Attempt(
+            turn.body_fingerprint, turn.streaming, turn.source == "header", last_event_id
         )
-        if body_hash is None:
-            return None
-        raw = next((v for n, v in headers if n == LAST_EVENT_ID), None)
-        last_event_id = int(raw) if raw is not None and raw.strip().isdigit() else None
-        return JoinPlan(table, body_hash, last_event_id)
+        return follow.decide(live, attempt, self.rt.policies[up.name], time.monotonic())
 
 
 def _request_id(headers: list[tuple[bytes, bytes]]) -> str:
@@ -255,6 +290,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         runtime.client = create_client(transport, config.server.http_transport)
+        runtime.generations = Generations(runtime.client, runtime.registry, runtime.budget)
         await runtime.registry.start()
         drain = shutdown.Drain(runtime.active, config.server.shutdown_grace)
         drain.install()  # on SIGTERM: streams still running after the grace get an error event

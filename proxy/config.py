@@ -44,13 +44,16 @@ class ServerConfig:
     # loop with httptools) or "httpx" (httpx's own, httpcore + h11: ~3x the CPU per event,
     # kept as a fallback; docs/benchmarks.md).
     http_transport: str = "fast"
-    # All join/replay buffers of the process together (on_retry = join | adaptive).
+    # All generation buffers of the process together (what followers read).
     join_buffer_total_bytes: int = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
 class TurnsConfig:
     header: str = "X-Turn-Id"
+    # The same, as a query parameter, for clients that cannot set headers (a browser's
+    # EventSource); removed before forwarding. "" turns it off.
+    query_param: str = "streamfence_turn"
     ignore_fields: tuple[str, ...] = ("stream", "stream_options", "timeout")
 
 
@@ -69,15 +72,20 @@ class UpstreamConfig:
     prefix: str = "/"
     dialect: str = "auto"
     fingerprint: bool = True
-    on_retry: str = "supersede"
+    # What a repeated request of a running turn does (CONTRACT section 3): follow the
+    # running generation while it is healthy (adaptive), always (join), or never (supersede).
+    on_retry: str = "adaptive"
     connect_timeout: float = 10.0
     idle_timeout: float = 600.0
     max_event_bytes: int = 16 * 1024 * 1024
-    # on_retry = adaptive: join a running stream only if it showed life this recently.
+    # on_retry = adaptive: follow a running generation only if it showed life this recently.
     healthy_within: float = 10.0
+    # `id:` lines on relayed SSE events, for Last-Event-ID resumes: "auto" adds them on
+    # generic SSE paths only (LLM SDKs never resume), "always", or "never".
+    event_ids: str = "auto"
     replay_window: float = 0.0  # seconds a finished stream stays replayable; 0: never
     replay_fingerprints: bool = False  # replay for fingerprint keys too, not only X-Turn-Id
-    join_buffer_bytes: int = 8 * 1024 * 1024  # per stream; over it, retries supersede
+    join_buffer_bytes: int = 8 * 1024 * 1024  # per generation; over it, nobody may follow
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "registry.on_unavailable": ("fail_open", "fail_closed"),
     "upstream.dialect": ("auto", *DIALECTS),
     "upstream.on_retry": ("supersede", "join", "adaptive"),
+    "upstream.event_ids": ("auto", "always", "never"),
 }
 
 

@@ -186,7 +186,10 @@ async def demo(pace: float, color: bool) -> int:
     screen = Screen(color)
     provider = Provider(pace, screen)
     async with _serve(provider) as provider_url:
-        app = create_app(load(env={}, overrides={"upstream.url": provider_url}))
+        # The agent retries after 4 paces of silence; the proxy calls a generation stalled
+        # after 2 (healthy_within: in real use, under the agent's own stall timeout).
+        overrides = {"upstream.url": provider_url, "upstream.healthy_within": pace * 2}
+        app = create_app(load(env={}, overrides=overrides))
         async with _serve(app) as proxy_url:
             fenced = await _agent(proxy_url, screen, pace)
     ok = [n for n, _ in fenced[STALL_AFTER:]] == [2] * len(ANSWER) and provider.closed != []

@@ -33,6 +33,20 @@ _GOOGLE_STATUS: Final = {
     504: "DEADLINE_EXCEEDED",
 }
 
+# The markers of a stream's last event, per dialect: once one is written, the client has the
+# whole answer, whatever it does next (hermes-agent closes right after `[DONE]`). Gemini and
+# plain SSE have none: their end is the end of the body.
+_TERMINATORS: Final = {
+    OPENAI_CHAT: (b"data: [DONE]", b"data:[DONE]"),
+    OPENAI_RESPONSES: (
+        b"event: response.completed",
+        b"event: response.incomplete",
+        b"event: response.failed",
+        b'data: {"type":"response.completed"',
+    ),
+    ANTHROPIC: (b"event: message_stop", b'data: {"type":"message_stop"'),
+}
+
 # Chunk fields copied from the last relayed chunk, so the frame looks like its stream.
 _CHAT_FIELDS: Final = ("id", "object", "created", "model", "system_fingerprint")
 
@@ -50,6 +64,12 @@ def detect(path: str, configured: str = "auto") -> str:
     if path.endswith("/messages"):
         return ANTHROPIC
     return SSE
+
+
+def is_terminal(dialect: str, event: bytes) -> bool:
+    """`event` is its stream's last one (a success or a final failure the upstream sent)."""
+    marks = _TERMINATORS.get(dialect)
+    return marks is not None and event.startswith(marks)
 
 
 def _dumps(obj: Any) -> str:

@@ -25,9 +25,10 @@ class Record:
     attempt: int = 0
     status: int = 0
     outcome: str = "pending"  # completed | superseded | client_gone | upstream_error | rejected
+    # | shutdown
     error: str = ""  # an errors.* code when the request failed
     streaming: bool = False
-    source: str = "upstream"  # upstream | joined | resumed | replayed (proxy/join.py)
+    source: str = "upstream"  # upstream | beside | followed | resumed | replayed (proxy/follow.py)
     bytes_out: int = 0
     events: int = 0
     dropped: int = 0

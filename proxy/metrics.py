@@ -2,7 +2,7 @@
 dialects, outcomes and error kinds only: never a credential, a turn id or a body.
 
     streamfence_requests_total{upstream,dialect,outcome}   finished requests; outcome is
-        completed | superseded | client_gone | upstream_error | rejected
+        completed | superseded | client_gone | upstream_error | rejected | shutdown
     streamfence_streams_in_flight                          requests being served now
     streamfence_supersedes_total{upstream}                 attempts fenced by a newer one
     streamfence_events_dropped_total{upstream}             events the fence kept back
@@ -11,6 +11,13 @@ dialects, outcomes and error kinds only: never a credential, a turn id or a body
     streamfence_added_ttfb_seconds                         time to first byte the proxy adds
     streamfence_upstream_errors_total{upstream,kind}       connect | timeout | protocol | malformed
     streamfence_registry_unavailable_total                 forwarded unfenced (fail_open)
+    streamfence_generations_total{upstream}                requests that went upstream
+    streamfence_follows_total{upstream,how}                requests served from a running or
+        recorded generation instead (how: followed | resumed | replayed)
+    streamfence_upstream_requests_saved_total{upstream}    the upstream requests those saved
+    streamfence_events_saved_total{upstream}               events followers got from a buffer
+    streamfence_follows_refused_total{upstream,reason}     identical requests that could not
+        follow and started a generation (reason: buffer_over_cap)
 
 Each app has its own CollectorRegistry, so several apps (tests, workers) never collide.
 """
@@ -64,11 +71,34 @@ class Metrics:
             ["upstream", "kind"],
             registry=r,
         )
-        self.served_from_stream = Counter(
-            "streamfence_retries_served_from_stream",
-            "Retries answered from a running or recorded stream instead of a new upstream "
-            "generation (joined, resumed, replayed): each one is an upstream generation saved",
+        self.generations = Counter(
+            "streamfence_generations",
+            "Requests that went upstream (a new generation, or beside a running one)",
+            ["upstream"],
+            registry=r,
+        )
+        self.follows = Counter(
+            "streamfence_follows",
+            "Requests served from a running or recorded generation of their turn",
             ["upstream", "how"],
+            registry=r,
+        )
+        self.saved = Counter(
+            "streamfence_upstream_requests_saved",
+            "Upstream requests not made because a request followed a generation",
+            ["upstream"],
+            registry=r,
+        )
+        self.events_saved = Counter(
+            "streamfence_events_saved",
+            "Events followers received from a generation's buffer, not a request of their own",
+            ["upstream"],
+            registry=r,
+        )
+        self.follow_refused = Counter(
+            "streamfence_follows_refused",
+            "Identical requests that could not follow their turn's generation",
+            ["upstream", "reason"],
             registry=r,
         )
         self.registry_unavailable = Counter(
@@ -92,8 +122,10 @@ class Metrics:
             self.added_ttfb.observe(max(0.0, record.added_ttfb))
         if error_kind is not None:
             self.upstream_errors.labels(up, error_kind).inc()
-        if record.source != "upstream":
-            self.served_from_stream.labels(up, record.source).inc()
+        if record.source not in ("upstream", "beside") and record.status != 204:
+            self.follows.labels(up, record.source).inc()
+            self.saved.labels(up).inc()
+            self.events_saved.labels(up).inc(record.events)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,16 +1,17 @@
-"""The relay: the one place that writes to a client, and where the race lives.
+"""The relay: one client's subscription to a generation, the one place that writes to a
+client, and where the race lives.
 
-One task group per request races three things:
+One task group per client races three things:
 
-    upstream events  ->  fence check  ->  client write
-    lease superseded ->  close upstream, write the dialect's superseded frame (or 409)
-    client gone      ->  close upstream
+    generation events  ->  fence check  ->  client write
+    generation fenced  ->  (its upstream already closing) the dialect's superseded frame, or 409
+    client gone        ->  leave the generation (the last client closes its upstream)
 
-The supersede signal cancels the `fence` scope directly (a callback on the lease), so a
-fenced attempt stops at its next await, and its upstream is closed, not drained, before
-anything else happens. Every exit path runs the same `finally`: upstream closed, lease
-released, one record observed. A non-SSE response is fenced only until its headers are
-sent (CONTRACT section 2): after that the upstream has done its work.
+A client that went upstream and a follower of the same generation are the same thing here:
+a cursor into the generation's buffer, its own disconnect watch and its own write timeout.
+The ending cause is recorded once, at the moment of the cancellation that causes it
+(`_stop`), never inferred afterwards. A non-SSE response is fenced only until its headers
+are sent (CONTRACT section 2): after that the upstream has done its work.
 """
 
 from __future__ import annotations
@@ -22,32 +23,30 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import httpx
 
-from proxy import dialects, upstream
-from proxy.errors import StreamfenceError, Superseded
+from proxy import dialects
+from proxy.errors import StreamfenceError, Superseded, UpstreamError
+from proxy.generation import Generation
 from proxy.logs import Record
-from proxy.registry import Lease, Registry
 from proxy.routing import response_headers
-from proxy.turns import TurnKey
-from proxy.upstream import UpstreamClient
 
 Message = dict[str, Any]
 Send = Callable[[Message], Awaitable[None]]
 Receive = Callable[[], Awaitable[Message]]
 
 SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+# Ending causes set by a cancellation, and the outcome each one is recorded as.
+SUPERSEDED, SHUTDOWN, CLIENT_GONE, WRITE_TIMEOUT = "superseded", "shutdown", "gone", "timeout"
 
 
 @dataclass(slots=True)
 class Exchange:
-    """Everything the relay needs to know about one accepted request."""
+    """What a subscriber needs to know about its request, beyond its generation."""
 
-    request: httpx.Request
-    upstream_name: str
     dialect: str
-    turn: TurnKey | None
-    max_event_bytes: int
+    turn_short: str  # "" when the request has no turn key
+    source: str  # upstream | followed | resumed | replayed | beside
+    cursor: int  # start after this event number of the generation
     extra_headers: list[tuple[bytes, bytes]]
     write_timeout: float = 0.0  # seconds one client write may block; 0: no limit
 
@@ -75,8 +74,8 @@ def error_response_parts(
 class _WriteGuard:
     """Calls `expire` once a client write has stayed blocked for `timeout` seconds.
 
-    One timer per relay, re-armed lazily, not one per write: a relayed event is one write,
-    and nearly every write returns without blocking."""
+    One timer per subscriber, re-armed lazily, not one per write: a relayed event is one
+    write, and nearly every write returns without blocking."""
 
     __slots__ = ("_expire", "_timeout", "_timer", "blocked_since", "loop")
 
@@ -107,77 +106,88 @@ class _WriteGuard:
             self._timer = None
 
 
-class Relay:
-    """An ASGI response: forwards one exchange and relays its answer under the fence."""
+class Subscriber:
+    """An ASGI response: one client of one generation, under the generation's fence."""
 
     def __init__(
         self,
+        generation: Generation,
         exchange: Exchange,
-        client: UpstreamClient,
-        registry: Registry | None,
         record: Record,
         on_finish: Callable[[Record, StreamfenceError | None], None],
     ) -> None:
+        self.gen = generation
         self.ex = exchange
-        self.client = client
-        self.registry = registry
         self.record = record
         self.on_finish = on_finish
-        self.lease: Lease | None = None
-        self.response: httpx.Response | None = None
+        self.cause: str | None = None  # why a cancellation ended this client, set once
+        self.error: StreamfenceError | None = None  # an upstream failure, or shutdown
         self.headers_sent = False
-        self.completed = False
-        self.client_gone = False
-        self.error: StreamfenceError | None = None
+        self.delivered = False  # the whole answer (or its terminator) was written
+        self.done = False  # the response is complete: a disconnect now is no client leaving
         self.last_event: bytes | None = None
-        self.done = False  # the response is complete: a disconnect now is not the client leaving
-        self.abort_error: StreamfenceError | None = None
         self._fence: anyio.CancelScope | None = None
-        self._write_guard: _WriteGuard | None = None
+        self._race: anyio.CancelScope | None = None
+        self._guard: _WriteGuard | None = None
+        generation.attach(self, exchange.cursor)  # now: no await before the race owns it
 
+    @property
+    def lease(self) -> Any:
+        return self.gen.lease
+
+    # -- cancellations: each records its cause once ----------------------------------------
+    def _stop(self, cause: str, scope: anyio.CancelScope | None) -> None:
+        if self.cause is None:
+            self.cause = cause
+        if scope is not None:
+            scope.cancel()
+
+    def superseded(self) -> None:
+        """The generation was fenced by a newer one (called by the generation)."""
+        self._stop(SUPERSEDED, self._fence)
+
+    def abort(self, error: StreamfenceError) -> None:
+        """End this client with `error` (shutdown), at its next await, with the dialect's
+        error frame; a non-SSE body already under way is left to finish."""
+        if self.cause is None and not self.delivered:
+            self.error = error
+        self._stop(SHUTDOWN, self._fence)
+
+    # -- the race ---------------------------------------------------------------------------
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._watch_disconnect, receive, tg.cancel_scope)
-                send = self._bounded(send, tg.cancel_scope)
+                self._race = tg.cancel_scope
+                tg.start_soon(self._watch_disconnect, receive)
+                send = self._bounded(send)
                 await self._run(send)
                 if self.headers_sent:
                     # Inside the race: a client that never takes this last write is dropped
-                    # by the write timeout like any other (uvicorn's send returns without
-                    # suspending once it has written, so `done` is set before the watcher
-                    # can see the finished response as a disconnect).
+                    # by the write timeout like any other.
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 self.done = True
                 tg.cancel_scope.cancel()
         finally:
-            if self._write_guard is not None:
-                self._write_guard.disarm()
+            if self._guard is not None:
+                self._guard.disarm()
             with anyio.CancelScope(shield=True):
-                await self._close_upstream()
-                await self._finish()
+                await self.gen.detach(self)  # the last client closes the upstream
+                self._finish()
 
-    async def _watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
+    async def _watch_disconnect(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
         if not self.done:
-            self.client_gone = True
-            scope.cancel()
+            self._stop(CLIENT_GONE, self._race)
 
-    def _bounded(self, send: Send, scope: anyio.CancelScope) -> Send:
+    def _bounded(self, send: Send) -> Send:
         """`send`, but a client that keeps one write blocked for write_timeout seconds is
-        dropped like one that left. While a write is blocked (uvicorn's flow control) the
-        relay reads nothing more from the upstream, so memory stays bounded; this caps how
-        long the upstream is held open for a client that does not read."""
+        dropped like one that left. While a write is blocked this client reads nothing more
+        from the buffer; this caps how long it holds the generation open."""
         timeout = self.ex.write_timeout
         if not timeout:
             return send
-
-        def expire() -> None:
-            self.client_gone = True
-            self.record.error = "client_write_timeout"
-            scope.cancel()  # the blocked send, and the race, end here
-
-        guard = self._write_guard = _WriteGuard(timeout, expire)
+        guard = self._guard = _WriteGuard(timeout, lambda: self._stop(WRITE_TIMEOUT, self._race))
 
         async def send_or_drop(message: Message) -> None:
             guard.blocked_since = guard.loop.time()
@@ -189,116 +199,99 @@ class Relay:
 
         return send_or_drop
 
-    def abort(self, error: StreamfenceError) -> None:
-        """End this stream with `error` (shutdown). Like a supersede, it stops the relay at
-        its next await; a non-SSE body already under way is left to finish."""
-        self.abort_error = error
-        if self._fence is not None:
-            self._fence.cancel()
-
     async def _run(self, send: Send) -> None:
         with anyio.CancelScope() as fence:
             self._fence = fence
-            if self.abort_error is not None:
-                fence.cancel()
+            if self.cause is not None:
+                fence.cancel()  # fenced or aborted before the race began
             try:
-                await self._claim(fence)
-                await self._open()
-                if self._is_sse():
-                    await self._relay_events(send)
+                await self._serve(send)
             except StreamfenceError as exc:
                 self.error = exc
         self._fence = None
-        if fence.cancel_called and not self.completed:
-            await self._close_upstream()  # first: the fence's promise is a closed upstream
-            if self.abort_error is not None:
-                self.error = self.abort_error
-                await self._end_with_error(send, self.abort_error)
-            else:
-                assert self.lease is not None and self.lease.superseded_at is not None
-                self.record.fence_latency = time.perf_counter() - self.lease.superseded_at
-                await self._end_superseded(send)
-        elif self.error is not None:
+        if self.cause == SUPERSEDED and not self.delivered:
+            # The generation's upstream is closed first: that is the fence's promise, and a
+            # client that does not read its frame must not hold the upstream open.
+            await self.gen.finished.wait()
+            self._note_fence_latency()
+            await self._end_with_error(send, self._superseded_error())
+        elif self.error is not None and not self.delivered:
             await self._end_with_error(send, self.error)
-        elif not self.completed:
-            await self._pass_through(send)  # not SSE: past the fence once headers go out
 
-    async def _claim(self, fence: anyio.CancelScope) -> None:
-        # Claimed here, inside the race, so that a client gone during a slow claim (Redis)
-        # and a registry failure (errors.RegistryUnavailable) take the same paths as the rest.
-        if self.registry is None or self.ex.turn is None:
+    async def _serve(self, send: Send) -> None:
+        gen = self.gen
+        await gen.headers_ready.wait()
+        if not gen.status:
+            raise gen.headers_error()
+        self.record.status = gen.status
+        self.record.attempt = 0 if gen.lease is None else gen.lease.attempt
+        if self.ex.source in ("upstream", "beside"):
+            self.record.forwarded_at = gen.forwarded_at
+            self.record.upstream_headers_at = gen.headers_at
+        if not gen.is_sse:
+            await self._start(send, reframed=False)
+            self._fence = None  # past the fence once the headers are out (CONTRACT section 2)
+            await self._copy(send, fenced=False)
             return
-        self.lease = await self.registry.claim(self.ex.turn.key)
-        self.record.attempt = self.lease.attempt
-        self.lease.on_superseded(fence.cancel)
+        self.record.streaming = True
+        await self._start(send, reframed=True)
+        if not await self._copy(send, fenced=True):
+            return
+        if gen.error is not None:
+            raise gen.error
+        if not gen.completed:
+            raise UpstreamError("streamfence: the upstream stream was closed before its end")
 
-    async def _open(self) -> None:
-        self.record.forwarded_at = time.perf_counter()
-        self.response = await self.client.send(self.ex.request, self.ex.upstream_name)
-        self.record.upstream_headers_at = time.perf_counter()
-        self.record.status = self.response.status_code
-
-    def _is_sse(self) -> bool:
-        assert self.response is not None
-        return upstream.is_event_stream(self.response)
+    async def _copy(self, send: Send, *, fenced: bool) -> bool:
+        """The buffer from this client's cursor, then live; False when the fence dropped it."""
+        gen, cursor = self.gen, self.ex.cursor
+        while True:
+            events = gen.since(cursor)
+            if not events:
+                if gen.done:
+                    self.delivered = self.delivered or gen.completed
+                    return True
+                await gen.wait(cursor)
+                continue
+            if fenced and gen.fenced:
+                # The fence check, right before the write and with no await between them:
+                # a subscriber woken by the reader may run after the newer claim.
+                self.record.dropped += len(events)
+                return False
+            await self._write(send, events)
+            cursor += len(events)
+            gen.progress(self, cursor)
 
     async def _start(self, send: Send, *, reframed: bool) -> None:
-        assert self.response is not None
-        headers = response_headers(self.response.headers.raw, reframed=reframed)
+        headers = response_headers(self.gen.raw_headers, reframed=reframed)
         headers += self._own_headers()
         if reframed:
             headers += SSE_HEADERS
-        await send(
-            {"type": "http.response.start", "status": self.response.status_code, "headers": headers}
-        )
+        await send({"type": "http.response.start", "status": self.gen.status, "headers": headers})
         self.headers_sent = True
         self.record.first_byte_at = time.perf_counter()
-
-    async def _relay_events(self, send: Send) -> None:
-        assert self.response is not None
-        self.record.streaming = True
-        await self._start(send, reframed=True)
-        self.completed = await upstream.read_events(
-            self.response,
-            self.ex.upstream_name,
-            self.ex.max_event_bytes,
-            lambda events: self._deliver(send, events),
-        )
-
-    async def _deliver(self, send: Send, events: list[bytes]) -> bool:
-        """The fence check, then the write; False when fenced (the events are dropped).
-
-        Nothing awaits between the check and the write, so the check holds for every
-        event of the batch: one write, all of it checked at one instant."""
-        lease = self.lease
-        if lease is not None and lease.superseded_at is not None:
-            self.record.dropped += len(events)
-            return False
-        await self._write(send, events)
-        return True
 
     async def _write(self, send: Send, events: list[bytes]) -> None:
         body = events[0] if len(events) == 1 else b"".join(events)
         await send({"type": "http.response.body", "body": body, "more_body": True})
-        self.record.events += len(events)
         self.record.bytes_out += len(body)
-        self.last_event = events[-1]
+        if self.gen.is_sse:
+            self.record.events += len(events)
+            self.last_event = events[-1]
+            if dialects.is_terminal(self.ex.dialect, self.last_event):
+                self.delivered = True  # whatever the client does now, it has the answer
 
-    async def _pass_through(self, send: Send) -> None:
-        assert self.response is not None
-        await self._start(send, reframed=False)
-        with upstream.translate_errors(self.ex.upstream_name):
-            async for chunk in self.response.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                self.record.bytes_out += len(chunk)
-        self.completed = True
+    def _superseded_error(self) -> Superseded:
+        lease = self.gen.lease
+        assert lease is not None
+        self.record.superseded_by = lease.newer_attempt
+        return Superseded(lease.attempt, lease.newer_attempt)
 
-    async def _end_superseded(self, send: Send) -> None:
-        assert self.lease is not None
-        error = Superseded(self.lease.attempt, self.lease.newer_attempt)
-        self.record.outcome = "superseded"
-        self.record.superseded_by = self.lease.newer_attempt
-        await self._end_with_error(send, error)
+    def _note_fence_latency(self) -> None:
+        lease, closed = self.gen.lease, self.gen.closed_at
+        if self.ex.source == "upstream" and lease is not None and lease.superseded_at:
+            if closed is not None:
+                self.record.fence_latency = max(0.0, closed - lease.superseded_at)
 
     async def _end_with_error(self, send: Send, error: StreamfenceError) -> None:
         self.record.error = error.code
@@ -309,39 +302,37 @@ class Relay:
         start, body = error_response_parts(error, self.ex.dialect, self._own_headers())
         self.record.status = error.status
         await send(start)
-        self.headers_sent = True
         self.record.first_byte_at = time.perf_counter()
         await send(body)
-        self.headers_sent = False  # the body above already ended the response
 
     def _own_headers(self) -> list[tuple[bytes, bytes]]:
-        """What the caller is told about its turn: the hashed key and the attempt number."""
+        """What the caller is told about its turn: hashed key, attempt, how it was served."""
         headers = list(self.ex.extra_headers)
-        if self.ex.turn is not None:
-            headers.append((b"x-streamfence-turn", self.ex.turn.short.encode()))
-        if self.lease is not None:
-            headers.append((b"x-streamfence-attempt", str(self.lease.attempt).encode()))
+        if self.ex.turn_short:
+            headers.append((b"x-streamfence-turn", self.ex.turn_short.encode()))
+            headers.append((b"x-streamfence-source", self.ex.source.encode()))
+        lease = self.gen.lease
+        if lease is not None:
+            headers.append((b"x-streamfence-attempt", str(lease.attempt).encode()))
         return headers
 
-    async def _close_upstream(self) -> None:
-        # Closing an unfinished httpx response closes its connection: nothing is drained.
-        if self.response is not None:
-            with anyio.CancelScope(shield=True):
-                await self.response.aclose()
-            self.response = None
-
-    async def _finish(self) -> None:
+    def _finish(self) -> None:
         record = self.record
         if record.outcome == "pending":
-            if self.client_gone:
-                record.outcome = "client_gone"
-            elif self.completed:
-                record.outcome = "completed"
-            elif self.error is not None:
-                record.outcome = "upstream_error"
-            else:
-                record.outcome = "client_gone"
+            record.outcome = self._outcome()
         record.finished_at = time.perf_counter()
-        if self.lease is not None and self.registry is not None:
-            await self.registry.release(self.lease)
-        self.on_finish(record, self.error)
+        self.on_finish(record, None if self.cause else self.error)
+
+    def _outcome(self) -> str:
+        if self.cause == WRITE_TIMEOUT:  # even after the last event: the client took nothing
+            self.record.error = "client_write_timeout"
+            return "client_gone"
+        if self.delivered:
+            return "completed"
+        if self.cause == SUPERSEDED:
+            return "superseded"
+        if self.cause == SHUTDOWN:
+            return "shutdown"
+        if self.cause == CLIENT_GONE or self.error is None:
+            return "client_gone"
+        return "upstream_error"

@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, unquote_plus
 
 from proxy.errors import BadRequest
 
@@ -29,9 +29,10 @@ Headers = Iterable[tuple[bytes, bytes]]
 class TurnKey:
     key: str  # hex SHA-256: safe to store, log and return
     source: str  # "header" or "fingerprint"
-    # The body's fingerprint when it was computed for the key: join mode reuses it rather
-    # than parsing and canonicalising the body a second time.
+    # What "an identical request" means for following: the canonical body's fingerprint
+    # (or, for a body that is not JSON, its bytes' hash), and the request's streaming mode.
     body_fingerprint: str | None = None
+    streaming: bool = False
 
     @property
     def short(self) -> str:
@@ -64,13 +65,17 @@ def explicit_turn_id(headers: Headers, header_name: bytes) -> bytes | None:
     name = header_name.decode("latin-1")
     if len(values) > 1:
         raise BadRequest(f"streamfence: the {name} header must appear at most once")
-    value = values[0].strip()
+    return _valid(values[0], f"{name} header")
+
+
+def _valid(raw: bytes, what: str) -> bytes:
+    value = raw.strip()
     if not value:
-        raise BadRequest(f"streamfence: the {name} header must not be empty")
+        raise BadRequest(f"streamfence: the {what} must not be empty")
     if len(value) > MAX_TURN_ID_BYTES:
-        raise BadRequest(f"streamfence: the {name} header is over {MAX_TURN_ID_BYTES} bytes")
+        raise BadRequest(f"streamfence: the {what} is over {MAX_TURN_ID_BYTES} bytes")
     if any(b < 0x20 or b == 0x7F for b in value):
-        raise BadRequest(f"streamfence: the {name} header must not contain control characters")
+        raise BadRequest(f"streamfence: the {what} must not contain control characters")
     return value
 
 
@@ -80,19 +85,51 @@ def fingerprint(route: str, path: str, body: bytes, ignore_fields: Iterable[str]
     A retry resends the same conversation and gets the same fingerprint; the next turn
     appends messages and gets a new one. A body that is not JSON gets none.
     """
+    return fingerprint_and_mode(route, path, body, ignore_fields)[0]
+
+
+def fingerprint_and_mode(
+    route: str, path: str, body: bytes, ignore_fields: Iterable[str]
+) -> tuple[str | None, bool]:
+    """The fingerprint, and whether the request asks for a stream (one parse for both)."""
+    streaming = ":streamGenerateContent" in path
     if not body:
-        return None
+        return None, streaming
     try:
         parsed: Any = json.loads(body)
         if isinstance(parsed, dict):
+            streaming = streaming or parsed.get("stream") is True
             for name in ignore_fields:
                 parsed.pop(name, None)
         canonical = json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     except (ValueError, RecursionError):  # invalid JSON or UTF-8; nested too deep to parse
-        return None
+        return None, streaming
     # A lone "\ud83d" escape (a truncated emoji) is valid JSON but not encodable as UTF-8.
     text = canonical.encode("utf-8", "surrogatepass")
-    return _sha256(b"fingerprint", route.encode(), path.encode(), text)
+    return _sha256(b"fingerprint", route.encode(), path.encode(), text), streaming
+
+
+def split_query_turn(query: str, name: str) -> tuple[str, bytes | None]:
+    """The query without the turn-id parameter `name`, and that parameter's value: a browser
+    EventSource cannot send headers, so it names its turn in the URL."""
+    if not name or name + "=" not in query:
+        return query, None
+    kept, found = [], None
+    for part in query.split("&"):
+        key, _, value = part.partition("=")
+        if unquote_plus(key) == name:
+            found = unquote_plus(value).encode("utf-8", "surrogateescape")
+        else:
+            kept.append(part)
+    return "&".join(kept), found
+
+
+def _identity(route: str, path: str, query: str, body: bytes) -> str:
+    """The identity of a body that is not JSON (or of a bodiless request, with its query)."""
+    if body:
+        return _sha256(b"raw-body", route.encode(), path.encode(), body)
+    scrubbed = "&".join(p for p in query.split("&") if not p.startswith(CREDENTIAL_QUERY + "="))
+    return _sha256(b"bodiless", route.encode(), path.encode(), scrubbed.encode())
 
 
 def resolve(
@@ -105,17 +142,21 @@ def resolve(
     path: str,
     use_fingerprint: bool,
     ignore_fields: Iterable[str],
+    query_turn_id: bytes | None = None,
 ) -> TurnKey | None:
     """The request's turn key, or None when it takes no part in fencing."""
     turn_id = explicit_turn_id(headers, header_name)
+    if turn_id is None and query_turn_id is not None:
+        turn_id = _valid(query_turn_id, "turn id query parameter")
     if turn_id is not None and turn_id.lower() == OPT_OUT:
         return None
     scope = credential_scope(headers, query).encode()
-    if turn_id is not None:
-        return TurnKey(_sha256(b"turn", scope, turn_id), "header")
-    if not use_fingerprint:
+    if turn_id is None and not use_fingerprint:
         return None
-    fp = fingerprint(route, path, body, ignore_fields)
+    fp, streaming = fingerprint_and_mode(route, path, body, ignore_fields)
+    if turn_id is not None:
+        identity = fp or _identity(route, path, query, body)
+        return TurnKey(_sha256(b"turn", scope, turn_id), "header", identity, streaming)
     if fp is None:
         return None
-    return TurnKey(_sha256(b"turn-fp", scope, fp.encode()), "fingerprint", fp)
+    return TurnKey(_sha256(b"turn-fp", scope, fp.encode()), "fingerprint", fp, streaming)

@@ -82,7 +82,7 @@ def test_defaults() -> None:
     assert (config.registry.backend, config.registry.on_unavailable) == ("memory", "fail_open")
     (up,) = config.upstream
     assert up == UpstreamConfig(url="http://127.0.0.1:9")
-    assert (up.prefix, up.dialect, up.fingerprint, up.on_retry) == ("/", "auto", True, "supersede")
+    assert (up.prefix, up.dialect, up.fingerprint, up.on_retry) == ("/", "auto", True, "adaptive")
 
 
 def test_upstream_is_required() -> None:

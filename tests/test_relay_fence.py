@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Proxy
+from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import Event, chat_body, events, open_stream
 from tests.upstream import ScriptedUpstream
 
@@ -129,11 +129,19 @@ async def test_requests_without_a_key_never_fence_or_get_fenced(
     assert all("x-streamfence-attempt" not in r.headers for r in opted_out)
 
 
-async def test_identical_retry_without_header_fences_by_fingerprint(
-    proxy: Proxy, upstream: ScriptedUpstream
+@pytest.mark.parametrize("policy", ["supersede", "adaptive"])
+async def test_identical_retry_without_header_is_keyed_by_fingerprint(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, policy: str
 ) -> None:
+    """The same turn by fingerprint: under supersede the retry fences the first attempt;
+    under adaptive it does so once the first has stalled (here: at once)."""
+    options = {"upstream.on_retry": policy, "upstream.healthy_within": 0.0}
     body = chat_body(gated=True, tokens=5)
-    async with proxy.client() as client, AsyncExitStack() as stack:
+    async with (
+        make_proxy(upstream.url, **options) as proxy,
+        proxy.client() as client,
+        AsyncExitStack() as stack,
+    ):
         a = await open_stream(stack, client, CHAT, body)
         a_events = events(a)
         await anext(a_events)

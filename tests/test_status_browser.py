@@ -190,9 +190,9 @@ async def test_status_page_shows_a_turn_in_flight_then_its_supersede(
         other_events = events(other)  # held: an abandoned reader would close its stream
         await anext(other_events)
 
-        # The retry supersedes attempt 1 and is itself held in flight.
+        # A revised request under the same turn id supersedes attempt 1, held in flight.
         retry = await open_stream(
-            streams, client, CHAT, chat_body("plan", gated=True), {"X-Turn-Id": "t-1"}
+            streams, client, CHAT, chat_body("plan, revised", gated=True), {"X-Turn-Id": "t-1"}
         )
         retry_events = events(retry)
         await anext(retry_events)

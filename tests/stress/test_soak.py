@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from proxy.relay import Relay
+from proxy.generation import Generation
+from proxy.relay import Subscriber
 from tests.conftest import ProxyFactory
 from tests.stress import harness
 from tests.stress.schedules import Attempt, Driver, driver_client
@@ -67,7 +68,7 @@ async def test_steady_mix_leaves_memory_and_descriptors_where_they_started(
         def usage() -> dict[str, int]:
             now = harness.process_usage()
             # Objects that would carry a whole request with them if anything kept them.
-            now["relays"] = sum(isinstance(o, Relay) for o in gc.get_objects())
+            now["relays"] = sum(isinstance(o, Subscriber | Generation) for o in gc.get_objects())
             now["tasks"] = len(asyncio.all_tasks())
             # Each idle keep-alive upstream connection holds two descriptors here (the
             # proxy's end and the upstream server's); the pool is bounded, not a leak.

@@ -1,0 +1,121 @@
+"""Which generation a request joins: the process's table of live generations by turn, and the
+rule of CONTRACT section 3 that picks between following, starting anew and going beside.
+
+    identical body, same streaming mode, generation healthy   -> follow (no upstream request)
+    identical body, same mode, generation stalled             -> new generation (supersedes)
+    identical body, other streaming mode, generation healthy  -> beside (fences nobody)
+    identical body, other streaming mode, generation stalled  -> new generation (supersedes)
+    a different body under the same explicit turn id          -> new generation (supersedes)
+
+`on_retry = "join"` follows a stalled generation too; `"supersede"` always starts anew.
+`decide` is pure (the clock is an argument); `Generations` holds the table.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Final
+
+from proxy.generation import Ask, Budget, Generation
+from proxy.registry import Registry
+from proxy.upstream import UpstreamClient
+
+NEW: Final = "new"
+FOLLOW: Final = "follow"
+BESIDE: Final = "beside"
+NOTHING_LEFT: Final = "nothing_left"  # a resume at the very end of a completed generation
+FINAL_IDS_KEPT: Final = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    on_retry: str  # adaptive | supersede | join
+    healthy_within: float
+    replay_fingerprints: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """What decides a request's place: its body's identity and how it asks."""
+
+    body_hash: str | None
+    streaming: bool
+    explicit: bool  # the turn key came from an explicit turn id
+    last_event_id: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: str  # new | follow | beside | nothing_left
+    generation: Generation | None = None  # the one to follow
+    cursor: int = 0  # follow from after this event number
+    how: str = "upstream"  # upstream | followed | resumed | replayed | beside
+    refused: str = ""  # why an identical request could not follow (logged, counted)
+
+
+def decide(live: Generation | None, attempt: Attempt, policy: Policy, now: float) -> Decision:
+    if live is None or live.fenced or attempt.body_hash is None:
+        return Decision(NEW)
+    ask = live.ask
+    identical = ask.body_hash == attempt.body_hash
+    if policy.on_retry == "supersede" or not identical:
+        return Decision(NEW)
+    resume = live.cursor_after(attempt.last_event_id)
+    if live.done:
+        if live.completed and resume is not None and resume == live.last_id:
+            return Decision(NOTHING_LEFT, live)
+        replayable = attempt.explicit or resume is not None or policy.replay_fingerprints
+        same_mode = ask.streaming == attempt.streaming
+        if not (live.completed and live.retained and replayable and same_mode):
+            return Decision(NEW)
+        return Decision(FOLLOW, live, resume or 0, "replayed")
+    healthy = live.healthy(policy.healthy_within, now)
+    if ask.streaming != attempt.streaming:
+        return Decision(BESIDE, how="beside") if healthy else Decision(NEW)
+    if not live.followable:
+        return Decision(NEW, refused="buffer_over_cap")
+    if healthy or policy.on_retry == "join":
+        return Decision(FOLLOW, live, resume or 0, "followed" if resume is None else "resumed")
+    return Decision(NEW)
+
+
+class Generations:
+    """The live generations of one process, by turn key, under one byte budget."""
+
+    def __init__(self, client: UpstreamClient, registry: Registry | None, budget: Budget) -> None:
+        self.client = client
+        self.registry = registry
+        self.budget = budget
+        self._live: dict[str, Generation] = {}
+        # The final event id of recently completed generations (id-stamped ones only): a
+        # resume from there has nothing left to receive (EventSource reconnects after the end).
+        self._final: OrderedDict[str, bytes] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def lookup(self, key: str) -> Generation | None:
+        return self._live.get(key)
+
+    def nothing_left(self, key: str, last_event_id: bytes | None) -> bool:
+        """`last_event_id` is the last event of the turn's completed generation."""
+        final = self._final.get(key)
+        return final is not None and last_event_id is not None and last_event_id.strip() == final
+
+    def start(self, ask: Ask) -> Generation:
+        generation = Generation(ask, self.client, self.registry, self.budget, self._ended)
+        if ask.followable and ask.key is not None:
+            self._live[ask.key] = generation
+        return generation
+
+    def _ended(self, generation: Generation) -> None:
+        key = generation.ask.key
+        if key is None or self._live.get(key) is not generation:
+            return
+        del self._live[key]
+        if generation.completed and generation.ask.stamp_ids and generation.token is not None:
+            self._final[key] = generation.event_id(generation.last_id)
+            self._final.move_to_end(key)
+            if len(self._final) > FINAL_IDS_KEPT:
+                self._final.popitem(last=False)

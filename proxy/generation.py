@@ -1,0 +1,318 @@
+"""A generation: one upstream response of a turn, and every client reading it.
+
+A new attempt that goes upstream starts a `Generation`. Its reader task claims the turn's
+fencing token (which supersedes any older generation of the turn), sends the request, and
+appends the answer to a bounded buffer: SSE events (each stamped with an `id:` where
+resuming needs one) or, for any other body, its raw chunks. Clients are subscribers
+(`proxy.relay.Subscriber`): the first one, and any follower of an identical request, read the
+buffer from their own cursor at their own pace.
+
+Fencing is a property of the generation: when a newer generation claims the turn, the lease
+callback cancels the reader (its upstream is closed, not drained) and tells every
+subscriber, which then writes the superseded frame. The upstream is also closed when the
+last subscriber leaves. The lease is held until the last subscriber is gone, so that events
+still in the buffer stay under the fence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import httpx
+
+from proxy import upstream
+from proxy.errors import StreamfenceError, UpstreamError
+from proxy.registry import Lease, Registry
+from proxy.upstream import UpstreamClient
+
+log = logging.getLogger("streamfence")
+
+
+class Watcher(Protocol):
+    """What a generation tells its subscribers."""
+
+    def superseded(self) -> None: ...
+
+
+@dataclass(slots=True)
+class Budget:
+    """The byte cap over every generation buffer of the process."""
+
+    total: int
+    used: int = 0
+    overflows: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What a generation asks upstream, and how it may be shared."""
+
+    request: httpx.Request
+    upstream: str  # the upstream's name
+    key: str | None  # the turn key; None: never fenced, never fences
+    body_hash: str | None  # what "an identical request" means
+    streaming: bool  # the request's streaming mode
+    max_event_bytes: int
+    buffer_bytes: int  # per generation; over it nobody may follow any more
+    stamp_ids: bool  # add `id: <token>-<n>` to every SSE event (for Last-Event-ID)
+    followable: bool  # kept for followers (False: keyless, beside, on_retry = supersede)
+    retain_for: float = 0.0  # seconds a completed generation stays replayable (replay_window)
+
+
+def with_id(event: bytes, event_id: bytes) -> bytes:
+    """`event` with an `id:` line added last, so that it wins over an upstream id of its own."""
+    if event.endswith(b"\r\n"):
+        end = b"\r\n"
+    elif event.endswith(b"\n"):
+        end = b"\n"
+    else:
+        end = b"\r"
+    return event[: -len(end)] + b"id: " + event_id + end + end
+
+
+class Generation:
+    def __init__(
+        self,
+        ask: Ask,
+        client: UpstreamClient,
+        registry: Registry | None,
+        budget: Budget,
+        on_end: Callable[[Generation], None] = lambda g: None,
+    ) -> None:
+        self.ask = ask
+        self._client, self._registry, self._budget, self._on_end = client, registry, budget, on_end
+        self.followable = ask.followable
+        self.lease: Lease | None = None
+        self.response: httpx.Response | None = None
+        self.status = 0  # the upstream's status and headers, kept for followers
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.is_sse = False
+        self.fenced_at: float | None = None  # when a newer generation's claim fenced this one
+        self.error: StreamfenceError | None = None
+        self.events: list[bytes] = []  # events[i] is event number base + i + 1
+        self.base = 0
+        self.size = 0
+        self.done = False  # the reader has finished, for any reason
+        self.completed = False  # ... and the upstream's whole answer is in the buffer
+        self.retained = ask.retain_for > 0  # kept after its clients leave, for replays
+        self.started = time.monotonic()
+        self.last_activity = self.started  # the later of the request and its last byte
+        self.forwarded_at: float | None = None  # perf_counter readings, for the records
+        self.headers_at: float | None = None
+        self.closed_at: float | None = None
+        self.headers_ready = asyncio.Event()
+        self.finished = asyncio.Event()  # the reader is done and the upstream closed
+        self._changed = asyncio.Event()
+        self._room = asyncio.Event()
+        self._watchers: dict[Watcher, int] = {}  # subscriber -> its cursor
+        self._ended = False
+        self._expiry: asyncio.TimerHandle | None = None
+        self._task = asyncio.get_running_loop().create_task(self._read())
+
+    # -- state --------------------------------------------------------------------------
+    @property
+    def fenced(self) -> bool:
+        return self.fenced_at is not None
+
+    @property
+    def last_id(self) -> int:
+        return self.base + len(self.events)
+
+    @property
+    def clients(self) -> int:
+        return len(self._watchers)
+
+    @property
+    def token(self) -> int | None:
+        return None if self.lease is None else self.lease.token
+
+    def healthy(self, within: float, now: float | None = None) -> bool:
+        """Upstream showed life (request sent, or a byte read) less than `within` ago."""
+        return (time.monotonic() if now is None else now) - self.last_activity < within
+
+    def event_id(self, n: int) -> bytes:
+        return b"%d-%d" % (self.token or 0, n)
+
+    def cursor_after(self, last_event_id: bytes | None) -> int | None:
+        """Where a `Last-Event-ID` resumes in this generation, None if it is not one of its."""
+        if last_event_id is None or not self.ask.stamp_ids or self.token is None:
+            return None
+        token, _, number = last_event_id.strip().partition(b"-")
+        if token != b"%d" % self.token or not number.isdigit() or len(number) > 12:
+            return None
+        n = int(number)
+        return n if self.base <= n <= self.last_id else None
+
+    # -- the reader ---------------------------------------------------------------------
+    async def _read(self) -> None:
+        ask = self.ask
+        try:
+            if ask.key is not None and self._registry is not None:
+                self.lease = await self._registry.claim(ask.key)
+                self.lease.on_superseded(self._superseded)
+                if self.fenced:
+                    return
+            self.forwarded_at = time.perf_counter()
+            self.response = await self._client.send(ask.request, ask.upstream)
+            self.headers_at = time.perf_counter()
+            self.last_activity = time.monotonic()
+            self.status = self.response.status_code
+            self.raw_headers = self.response.headers.raw
+            self.is_sse = upstream.is_event_stream(self.response)
+            self.headers_ready.set()
+            if self.is_sse:
+                self.completed = await upstream.read_events(
+                    self.response, ask.upstream, ask.max_event_bytes, self._take
+                )
+            else:
+                with upstream.translate_errors(ask.upstream):
+                    async for chunk in self.response.aiter_raw():
+                        await self._take([chunk], stamp=False)
+                self.completed = True
+        except StreamfenceError as exc:
+            self.error = exc
+        finally:
+            await self._close_response()
+            self.done = True
+            self.headers_ready.set()
+            self._changed.set()
+            self.finished.set()
+            if self.retained and self.completed and not self.fenced:
+                loop = asyncio.get_running_loop()
+                self._expiry = loop.call_later(self.ask.retain_for, self._unretain)
+            else:
+                self._unretain()
+
+    async def _close_response(self) -> None:
+        response, self.response = self.response, None
+        if response is not None:
+            await asyncio.shield(response.aclose())  # closes the connection: nothing drained
+        self.closed_at = time.perf_counter()
+
+    async def _take(self, events: list[bytes], stamp: bool = True) -> bool:
+        if stamp and self.ask.stamp_ids:
+            first = self.last_id + 1
+            events = [with_id(e, self.event_id(first + i)) for i, e in enumerate(events)]
+        self.events.extend(events)
+        added = sum(map(len, events))
+        self.size += added
+        self._budget.used += added
+        self.last_activity = time.monotonic()
+        self._changed.set()
+        if self.followable and (
+            self.size > self.ask.buffer_bytes or self._budget.used > self._budget.total
+        ):
+            self._overflow()
+        while not self.followable and self.size > self.ask.buffer_bytes and self._watchers:
+            # Back-pressure: nobody may follow any more, so the buffer keeps only what its
+            # clients have yet to write, and the slowest client's pace throttles the upstream.
+            self._room.clear()
+            await self._room.wait()
+        return True
+
+    def _overflow(self) -> None:
+        self.followable = False
+        self._budget.overflows += 1
+        log.warning(
+            "streamfence: turn %s: its buffer is over its cap; identical requests will start "
+            "a new generation instead of following it",
+            (self.ask.key or "-")[:16],
+        )
+        self._trim()
+
+    def _trim(self) -> None:
+        low = min(self._watchers.values(), default=self.last_id)
+        drop = low - self.base
+        if drop > 0:
+            freed = sum(map(len, self.events[:drop]))
+            del self.events[:drop]
+            self.base = low
+            self.size -= freed
+            self._budget.used -= freed
+        self._room.set()
+
+    def _superseded(self) -> None:
+        # Runs in the newer claimer's task: close the upstream at once (the reader's
+        # `finally`), then every client writes its frame. A non-SSE answer whose headers are
+        # in is not fenced: the upstream has done its work (CONTRACT section 2).
+        if self.status and not self.is_sse:
+            return
+        assert self.lease is not None
+        self.fenced_at = self.lease.superseded_at
+        self._task.cancel()
+        for watcher in list(self._watchers):
+            watcher.superseded()
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._unretain()
+
+    def _unretain(self) -> None:
+        self.retained = False
+        if not self._watchers:
+            self._release_later()
+
+    # -- the subscribers ----------------------------------------------------------------
+    def attach(self, watcher: Watcher, cursor: int = 0) -> None:
+        self._watchers[watcher] = cursor
+        if self.fenced:
+            watcher.superseded()
+
+    def since(self, cursor: int) -> list[bytes]:
+        """The buffered events after number `cursor`."""
+        return self.events[cursor - self.base :] if cursor >= self.base else []
+
+    async def wait(self, cursor: int) -> None:
+        """Until there is an event after `cursor`, or the reader is done."""
+        while cursor >= self.last_id and not self.done:
+            self._changed.clear()
+            await self._changed.wait()
+
+    def progress(self, watcher: Watcher, cursor: int) -> None:
+        self._watchers[watcher] = cursor
+        if not self.followable:
+            self._trim()
+
+    async def detach(self, watcher: Watcher) -> None:
+        """`watcher` is gone. The last one closes the upstream and, once the reader is done,
+        releases the lease and the buffer (unless the table retains it for replays)."""
+        if self._watchers.pop(watcher, None) is None:
+            return
+        self._room.set()
+        if self._watchers:
+            if not self.followable:
+                self._trim()
+            return
+        if not self.done:
+            self._task.cancel()
+        await asyncio.shield(self.finished.wait())
+        if not self.retained:
+            await self.end()
+
+    async def end(self) -> None:
+        """Release the lease and the buffer; once."""
+        if self._ended:
+            return
+        self._ended = True
+        self._on_end(self)  # first: the table reads the final event id
+        self._budget.used -= self.size
+        self.events, self.size = [], 0
+        if self.lease is not None and self._registry is not None:
+            await self._registry.release(self.lease)
+
+    def _release_later(self) -> None:
+        if self.done and not self._ended:
+            task = asyncio.get_running_loop().create_task(self.end())
+            _background.add(task)
+            task.add_done_callback(_background.discard)
+
+    def headers_error(self) -> StreamfenceError:
+        """Why there is no response to send (called once headers_ready is set)."""
+        return self.error or UpstreamError("streamfence: the upstream request ended early")
+
+
+_background: set[asyncio.Task[None]] = set()

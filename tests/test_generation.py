@@ -1,0 +1,205 @@
+"""Generation and subscriber, driven directly: a fake upstream stream the test feeds, ASGI
+send/receive the test holds. Cheaper and more exact than end-to-end timing for the orders of
+events that matter: a supersede landing between the reader's append and the subscriber's
+write, a fenced client that never reads, a slow stream with a reading client, a client that
+stops reading after an overflow."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+
+from proxy.generation import Ask, Budget, Generation
+from proxy.logs import Record
+from proxy.registry import Lease, MemoryRegistry
+from proxy.relay import Exchange, Subscriber
+from proxy.upstream import UpstreamClient
+
+Item = bytes | Callable[[], object]
+
+
+class Feed(httpx.AsyncByteStream):
+    """The upstream body: what the test puts in, in order; a callable is run in the reader's
+    own step, right after the previous chunk was taken."""
+
+    def __init__(self, endless: bytes | None = None) -> None:
+        self.queue: asyncio.Queue[Item] = asyncio.Queue()
+        self.closed = asyncio.Event()
+        self.pulled = 0
+        self.endless = endless
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while True:
+            if self.endless is not None:
+                await asyncio.sleep(0)  # as a socket read would
+                self.pulled += 1
+                yield self.endless
+                continue
+            item = await self.queue.get()
+            if callable(item):
+                item()
+                continue
+            if item == b"":
+                return
+            self.pulled += 1
+            yield item
+
+    async def aclose(self) -> None:
+        self.closed.set()
+
+
+class Transport(httpx.AsyncBaseTransport):
+    def __init__(self, feed: Feed) -> None:
+        self.feed = feed
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=self.feed)
+
+
+class Client:
+    """An ASGI client: records what it is sent; `block_after` writes, it stops reading."""
+
+    def __init__(self, block_after: int | None = None) -> None:
+        self.bodies: list[bytes] = []
+        self.wrote = asyncio.Event()
+        self.block_after = block_after
+
+    async def receive(self) -> dict[str, Any]:
+        await asyncio.Event().wait()  # never leaves
+        raise AssertionError
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] != "http.response.body":
+            return
+        if self.block_after is not None and len(self.bodies) >= self.block_after:
+            await asyncio.Event().wait()
+        self.bodies.append(message.get("body", b""))
+        self.wrote.set()
+
+    async def wait_bodies(self, n: int) -> None:
+        async def written() -> None:
+            while len(self.bodies) < n:
+                self.wrote.clear()
+                await self.wrote.wait()
+
+        await asyncio.wait_for(written(), 5)
+
+
+def _generation(feed: Feed, buffer_bytes: int = 1 << 20, followable: bool = True) -> Generation:
+    ask = Ask(
+        request=httpx.Request("POST", "http://upstream.test/v1/chat/completions"),
+        upstream="up",
+        key="turn",
+        body_hash="body",
+        streaming=True,
+        max_event_bytes=1 << 20,
+        buffer_bytes=buffer_bytes,
+        stamp_ids=False,
+        followable=followable,
+    )
+    return Generation(ask, UpstreamClient(Transport(feed)), MemoryRegistry(), Budget(1 << 30))
+
+
+def _subscribe(
+    gen: Generation, client: Client, write_timeout: float = 0.0
+) -> tuple[Subscriber, asyncio.Task[None], list[Record]]:
+    finished: list[Record] = []
+    exchange = Exchange("openai-chat", "turn", "upstream", 0, [], write_timeout)
+    sub = Subscriber(
+        gen, exchange, Record("POST", "/v1/chat/completions"), lambda r, e: finished.append(r)
+    )
+    task = asyncio.create_task(sub({}, client.receive, client.send))
+    return sub, task, finished
+
+
+def _supersede(gen: Generation) -> Callable[[], None]:
+    def now() -> None:
+        lease = gen.lease
+        assert isinstance(lease, Lease)
+        lease.supersede(newer_attempt=2)
+
+    return now
+
+
+async def test_an_event_taken_just_before_the_fence_is_never_written() -> None:
+    feed = Feed()
+    gen = _generation(feed)
+    client = Client()
+    _sub, task, finished = _subscribe(gen, client)
+    feed.queue.put_nowait(b"data: one\n\n")
+    await client.wait_bodies(1)
+    # The reader appends "two" (waking the subscriber) and, in the same step, the newer
+    # claim fences the generation: the subscriber resumes after the fence.
+    feed.queue.put_nowait(b"data: two\n\n")
+    feed.queue.put_nowait(_supersede(gen))
+    await asyncio.wait_for(task, 5)
+    written = b"".join(client.bodies)
+    assert b"data: one" in written and b"data: two" not in written
+    assert b"stream_superseded" in written
+    assert finished[0].outcome == "superseded" and finished[0].dropped == 1
+
+
+async def test_a_fenced_client_that_does_not_read_does_not_hold_the_upstream() -> None:
+    feed = Feed()
+    gen = _generation(feed)
+    client = Client(block_after=1)  # takes one event, then never reads again
+    _sub, task, _ = _subscribe(gen, client, write_timeout=30.0)
+    feed.queue.put_nowait(b"data: one\n\n")
+    await client.wait_bodies(1)
+    feed.queue.put_nowait(_supersede(gen))
+    await asyncio.wait_for(feed.closed.wait(), 1)  # long before the write timeout
+    assert not task.done()  # its client still owes the frame write
+    task.cancel()
+
+
+async def test_a_slow_stream_with_a_reading_client_is_not_dropped_by_the_write_timeout() -> None:
+    feed = Feed()
+    gen = _generation(feed)
+    client = Client()
+    _sub, task, finished = _subscribe(gen, client, write_timeout=0.1)
+    for n in range(4):
+        feed.queue.put_nowait(b"data: %d\n\n" % n)
+        await client.wait_bodies(n + 1)
+        await asyncio.sleep(0.15)  # the scenario: an upstream slower than the write timeout
+    feed.queue.put_nowait(b"data: [DONE]\n\n")
+    feed.queue.put_nowait(b"")
+    await asyncio.wait_for(task, 5)
+    assert finished[0].outcome == "completed" and finished[0].events == 5
+
+
+async def test_after_an_overflow_the_reader_waits_for_its_slowest_client() -> None:
+    event = b"data: " + b"x" * 50 + b"\n\n"
+    feed = Feed(endless=event)
+    gen = _generation(feed, buffer_bytes=200)
+    client = Client(block_after=1)
+    _sub, task, _ = _subscribe(gen, client)
+    await client.wait_bodies(1)
+    for _ in range(500):
+        await asyncio.sleep(0)  # let the reader run as far as it may
+    assert not gen.followable  # over its cap: nobody may follow it any more
+    assert feed.pulled < 10  # held back by the client that stopped reading
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert feed.closed.is_set()
+
+
+async def test_the_last_client_leaving_closes_the_upstream_and_releases_the_lease() -> None:
+    feed = Feed()
+    gen = _generation(feed)
+    registry = gen._registry
+    assert isinstance(registry, MemoryRegistry)
+    first, second = Client(), Client()
+    _, task_a, _ = _subscribe(gen, first)
+    _, task_b, _ = _subscribe(gen, second)
+    feed.queue.put_nowait(b"data: one\n\n")
+    await first.wait_bodies(1)
+    await second.wait_bodies(1)
+    task_a.cancel()
+    await asyncio.gather(task_a, return_exceptions=True)
+    assert not feed.closed.is_set() and registry.live_keys() == 1
+    task_b.cancel()
+    await asyncio.gather(task_b, return_exceptions=True)
+    assert feed.closed.is_set() and registry.live_keys() == 0
