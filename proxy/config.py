@@ -63,6 +63,9 @@ class RegistryConfig:
     url: str = "redis://127.0.0.1:6379/0"
     on_unavailable: str = "fail_open"
     lease_ttl: float = 3600.0
+    # Publish followable generations to Redis, so that an identical request on another
+    # process follows them (proxy/remote.py) instead of starting its own.
+    follow_across: bool = True
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,10 @@ REDIS_SERVER = shutil.which("redis-server")
 READY_LINE = "Ready to accept connections"
 
 
+class PortTaken(RuntimeError):
+    pass
+
+
 class RedisServer:
     def __init__(self, workdir: str, port: int | None = None, *, cluster: bool = False) -> None:
         self.workdir = workdir
@@ -35,6 +39,7 @@ class RedisServer:
         self.cluster = cluster
         # The cluster bus port defaults to port + 10000, which may be taken or out of range.
         self.bus_port = free_port() if cluster else 0
+        self.started = False
         self.proc: subprocess.Popen[str] | None = None
 
     @property
@@ -42,6 +47,21 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> None:
+        for _ in range(3):
+            try:
+                self._start(timeout)
+                self.started = True
+                return
+            except PortTaken:
+                if self.started:
+                    raise  # a restart must keep its port
+                # free_port() only found the port free: something else may take it before
+                # redis-server binds it (a client's ephemeral port). Try other ports.
+                self.port = free_port()
+                self.bus_port = free_port() if self.cluster else 0
+        self._start(timeout)
+
+    def _start(self, timeout: float) -> None:
         assert REDIS_SERVER is not None, "redis-server is not installed"
         assert self.proc is None, "already running"
         args = [
@@ -78,7 +98,10 @@ class RedisServer:
         threading.Thread(target=drain, daemon=True).start()
         if not ready.wait(timeout) or proc.poll() is not None:
             self.stop()
-            raise RuntimeError("redis-server did not become ready:\n" + "".join(lines))
+            log = "".join(lines)
+            if "Address already in use" in log:
+                raise PortTaken(log)
+            raise RuntimeError("redis-server did not become ready:\n" + log)
 
     async def astart(self) -> None:
         """`start()` without blocking the event loop that runs the proxies under test."""

@@ -491,7 +491,7 @@ async def test_keys_expire_after_a_process_is_killed(
             a_resp, a_events = await _open_gated(stack, a, "crash", "A")
             _, a2_events = await _open_gated(stack, a, "crash-2", "A2")
             entry = "streamfence:{" + a_resp.headers["x-streamfence-turn"]
-            [entry_b] = [k async for k in r.scan_iter(match=entry + "*")]
+            [entry_b] = [k async for k in r.scan_iter(match=entry + "*}:turn")]
             # A long stream keeps its entry: the process refreshes it within the TTL.
             await asyncio.sleep(ttl * 2)
             assert await r.exists(entry_b) == 1

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from proxy.errors import GenerationLost
+from proxy.errors import GenerationLost, RegistryUnavailable
 from proxy.registry.connection import PREFIX, Client, Keys, translate
 from proxy.registry.logreader import (
     CHECK_EVERY,
@@ -93,16 +93,30 @@ class GenerationLog:
         self._readers = client.register_script(READERS)
 
     @staticmethod
-    def keys(key: str, token: int) -> list[str]:
-        base = f"{PREFIX}{{{key}}}:gen:{token}"
+    def prefix(key: str) -> str:
+        """The turn's log keys up to the token (scripts build the rest)."""
+        return f"{PREFIX}{{{key}}}:gen:"
+
+    @classmethod
+    def keys(cls, key: str, token: int) -> list[str]:
+        base = f"{cls.prefix(key)}{token}"
         return [base, base + ":meta", base + ":readers"]
 
+    def writer(
+        self, key: str, token: int, *, body_hash: str, streaming: bool, opened: bool = False
+    ) -> LogWriter:
+        """Start publishing generation `token` of `key`. Never waits and never raises: the
+        log is created by the writer's first write, in its own task (`opened`: by the
+        claim already, `RedisRegistry.claim_or_follow`)."""
+        return LogWriter(self, key, token, body_hash, streaming, opened)
+
     async def open(self, key: str, token: int, *, body_hash: str, streaming: bool) -> LogWriter:
-        """Start publishing generation `token` of `key`; raises `RegistryUnavailable`."""
-        with translate("open log"):
-            args: list[str | int] = [self.ttl_ms, self.maxlen, body_hash, "1" if streaming else "0"]
-            await self._open(keys=self.keys(key, token), args=args)
-        return LogWriter(self, key, token)
+        """`writer`, once the log exists; raises `RegistryUnavailable` if it could not be made."""
+        writer = self.writer(key, token, body_hash=body_hash, streaming=streaming)
+        await writer.flushed()
+        if writer.broken:
+            raise RegistryUnavailable("streamfence: could not create the generation log")
+        return writer
 
     async def follow(self, key: str, token: int, after: int | None = None) -> LogReader:
         """A registered reader of the log: batches from the start, or after event index
@@ -114,9 +128,8 @@ class GenerationLog:
 
     async def current(self, key: str) -> Current | None:
         """The turn's current holder and its log's meta: one round trip."""
-        prefix = f"{PREFIX}{{{key}}}:gen:"
         with translate("current"):
-            reply = await self._current(keys=[Keys.entry(key)], args=[prefix])
+            reply = await self._current(keys=[Keys.entry(key)], args=[self.prefix(key)])
         if len(reply) < 3:
             return None
         meta = Meta.parse(int(reply[0]), reply[3]) if reply[3] else None

@@ -48,6 +48,7 @@ class Meta:
     streaming: bool
     start: Start | None
     ended: str | None  # an outcome once the end marker is written
+    events: int  # events published so far
     since_write: float  # seconds since the writer's last stamp (Redis's clock)
     since_activity: float  # seconds since the later of the request and its last batch
 
@@ -62,6 +63,7 @@ class Meta:
             streaming=m.get("mode") == "1",
             start=start,
             ended=m.get("ended"),
+            events=int(m.get("next", 0)),
             since_write=(now_ms - int(m["at"])) / 1000,
             since_activity=(now_ms - int(m["last"])) / 1000,
         )

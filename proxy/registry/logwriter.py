@@ -31,7 +31,7 @@ OUTCOMES = ("completed", "failed", "superseded")
 
 
 class _Write(NamedTuple):
-    kind: str  # '' heartbeat, 's' started, 'b' batch, 'e' end
+    kind: str  # 'o' open, '' heartbeat, 's' started, 'b' batch, 'e' end
     meta: list[Any]  # field pairs for the meta hash
     entry: list[Any]  # field pairs for the stream entry
 
@@ -40,7 +40,15 @@ class LogWriter:
     """Publishes one generation. `started`/`append` only queue (the relay never waits on
     Redis); one task sends, coalescing what queued up meanwhile into one batch."""
 
-    def __init__(self, log: GenerationLog, key: str, token: int) -> None:
+    def __init__(
+        self,
+        log: GenerationLog,
+        key: str,
+        token: int,
+        body_hash: str,
+        streaming: bool,
+        opened: bool = False,
+    ) -> None:
         self.log, self.key, self.token = log, key, token
         self.readers = 0  # readers registered on any process, as of the last write
         self.broken = False  # Redis failed or lost the log: nothing more is published
@@ -52,7 +60,10 @@ class LogWriter:
         self._refreshed = 0.0  # when the last write extended the expiry and counted readers
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # nothing queued, nothing being sent
-        self._idle.set()
+        if opened:
+            self._idle.set()
+        else:
+            self._put(_Write("o", [body_hash, "1" if streaming else "0"], []))
         self._task = asyncio.get_running_loop().create_task(
             self._run(), name=f"streamfence-log-{key[:8]}"
         )
@@ -142,6 +153,10 @@ class LogWriter:
                 return
 
     async def _send(self, write: _Write) -> Any:
+        if write.kind == "o":
+            args = [self.log.ttl_ms, self.log.maxlen, *write.meta]
+            await self.log._open(keys=self._keys, args=args)
+            return 0
         entry = write.entry
         ttl = self.log.linger_ms if write.kind == "e" else self.log.ttl_ms
         now = time.monotonic()

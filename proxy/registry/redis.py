@@ -27,16 +27,17 @@ import logging
 import time
 from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
 
 from proxy.config import RegistryConfig
 from proxy.errors import RegistryUnavailable
 from proxy.registry.base import Lease, Registry
 from proxy.registry.connection import COMMAND_TIMEOUT, Keys, connect, translate
-from proxy.registry.genlog import GenerationLog
-from proxy.registry.scripts import CLAIM, REFRESH, RELEASE
+from proxy.registry.genlog import DEAD_AFTER, GenerationLog
+from proxy.registry.scripts import CLAIM, CLAIM_OR_FOLLOW, REFRESH, RELEASE
 from proxy.registry.subscriber import Recent, Subscriber
 
 log = logging.getLogger("streamfence")
@@ -47,6 +48,14 @@ REFRESH_BATCH = 64  # refresh scripts in flight at once on a cluster (no pipelin
 
 # A lease named across processes: tokens are unique per turn key (see `connection`).
 Ref = tuple[str, int]
+
+
+class Follow(NamedTuple):
+    """`claim_or_follow`'s answer: follow generation `token` of another process."""
+
+    token: int
+    attempt: int
+    events: int  # published so far
 
 
 @dataclass(slots=True)
@@ -71,6 +80,7 @@ class RedisRegistry(Registry):
         self.keys = Keys(config.url, db)
         self.channel = self.keys.channel
         self._claim = self._client.register_script(CLAIM)
+        self._claim_or_follow = self._client.register_script(CLAIM_OR_FOLLOW)
         self._release = self._client.register_script(RELEASE)
         self._refresh = self._client.register_script(REFRESH)
         self._local: dict[str, _Local] = {}
@@ -89,12 +99,25 @@ class RedisRegistry(Registry):
         self._warned_at = -WARN_EVERY
         self._suppressed = 0
         self._log: GenerationLog | None = None
+        self._watched: dict[str, set[Lease]] = {}  # other processes' generations followed here
 
     def generation_log(self) -> GenerationLog:
         """The generation log (`genlog`), on this registry's Redis connection."""
         if self._log is None:
             self._log = GenerationLog(self._client)
         return self._log
+
+    def watch(self, lease: Lease) -> None:
+        """Fence `lease`, a generation of another process followed here, as soon as a newer
+        claim of its turn is heard (its own process says so too, but later: in its log)."""
+        self._watched.setdefault(lease.key, set()).add(lease)
+
+    def unwatch(self, lease: Lease) -> None:
+        watched = self._watched.get(lease.key)
+        if watched is not None:
+            watched.discard(lease)
+            if not watched:
+                del self._watched[lease.key]
 
     @staticmethod
     def entry_key(key: str) -> str:
@@ -141,10 +164,29 @@ class RedisRegistry(Registry):
         await self._subscriber.subscribed.wait()
 
     async def claim(self, key: str) -> Lease:
+        args: list[str | int] = [self.ttl_ms, self.channel, key]
+        lease = await self._claim_with(key, self._claim, args)
+        assert isinstance(lease, Lease)
+        return lease
+
+    async def claim_or_follow(
+        self, key: str, body_hash: str, streaming: bool, healthy_within: float, join: bool
+    ) -> Lease | Follow | str:
+        """One atomic step (scripts.CLAIM_OR_FOLLOW): follow the turn's generation in
+        another process (`Follow`), go beside it ("beside"), or claim a new one, whose
+        generation log is created with the claim (`Lease`)."""
+        log = self.generation_log()
+        args: list[str | int] = [self.ttl_ms, self.channel, key, log.prefix(key), body_hash]
+        args += ["1" if streaming else "0", int(healthy_within * 1000), "1" if join else "0"]
+        args += [log.ttl_ms, log.maxlen, int(DEAD_AFTER * 1000)]
+        answer: Lease | Follow | str = await self._claim_with(key, self._claim_or_follow, args)
+        return answer
+
+    async def _claim_with(self, key: str, script: AsyncScript, args: list[str | int]) -> Any:
         self._pending[key] = self._pending.get(key, 0) + 1
         try:
             with translate("claim"):
-                token_raw, attempt_raw, prev_raw = await self._claim_shielded(key)
+                reply = await self._claim_shielded(key, script, args)
             early = self._early.get(key)
         except RegistryUnavailable:
             if not self.fail_open:
@@ -157,6 +199,11 @@ class RedisRegistry(Registry):
             else:
                 del self._pending[key]
                 self._early.pop(key, None)
+        if reply[0] == b"follow":
+            return Follow(int(reply[1]), int(reply[2]), int(reply[3]))
+        if reply[0] == b"beside":
+            return "beside"
+        token_raw, attempt_raw, prev_raw = reply
         lease = Lease(key, int(token_raw), int(attempt_raw))
         self._by_ref[_ref(lease)] = lease
         local = self._local.get(key)
@@ -185,15 +232,13 @@ class RedisRegistry(Registry):
                 raise
         return lease
 
-    async def _claim_shielded(self, key: str) -> list[Any]:
+    async def _claim_shielded(
+        self, key: str, script: AsyncScript, args: list[str | int]
+    ) -> list[Any]:
         # The caller may be cancelled (its client left) after Redis ran the script: the
         # entry it created must not be left to linger for a whole TTL.
-        call = asyncio.ensure_future(
-            self._claim(
-                keys=[self.keys.entry(key), self.keys.counter(key)],
-                args=[self.ttl_ms, self.channel, key],
-            )
-        )
+        keys = [self.keys.entry(key), self.keys.counter(key)]
+        call = asyncio.ensure_future(script(keys=keys, args=args))
         try:
             reply: list[Any] = await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -204,6 +249,8 @@ class RedisRegistry(Registry):
     def _release_orphan(self, key: str, call: asyncio.Future[Any]) -> None:
         if call.cancelled() or call.exception() is not None:
             return
+        if call.result()[0] in (b"follow", b"beside"):
+            return  # nothing was claimed
         orphan = Lease(key, int(call.result()[0]), int(call.result()[1]))
         self._ended.add(_ref(orphan))
         self._spawn(self._release_entry(orphan))
@@ -290,6 +337,9 @@ class RedisRegistry(Registry):
         local = self._local.get(key)
         if local is not None and local.holder.token < token:
             local.holder.supersede(newer_attempt=attempt)
+        for watched in list(self._watched.get(key, ())):
+            if watched.token < token:
+                watched.supersede(newer_attempt=attempt)
         replaced = self._by_ref.get((key, prev))
         if replaced is not None:
             replaced.supersede(newer_attempt=attempt)
