@@ -165,6 +165,39 @@ async def fence_round(
     return latency, answered
 
 
+async def follow_round(
+    upstream: ScriptedUpstream, a: httpx.AsyncClient, b: httpx.AsyncClient, turn: str
+) -> tuple[float, float]:
+    """An attempt streams through `a`; an identical one through `b` follows it. Returns
+    (the follower's first event, from its request sent; a live event's arrival at the
+    follower, from its release upstream)."""
+    headers = {"X-Turn-Id": turn}
+    request = body(turn, gated=True, tokens=4)
+    async with AsyncExitStack() as stack:
+        origin = await stack.enter_async_context(
+            a.stream("POST", CHAT, json=request, headers=headers)
+        )
+        a_chunks = origin.aiter_raw()
+        await anext(a_chunks)
+        seen = next(s for s in reversed(upstream.seen) if s.script.prefix == turn)
+        sent = time.perf_counter()
+        follower = await stack.enter_async_context(
+            b.stream("POST", CHAT, json=request, headers=headers)
+        )
+        assert follower.headers["x-streamfence-source"] == "followed", follower.headers
+        b_chunks = follower.aiter_raw()
+        await anext(b_chunks)
+        first = time.perf_counter() - sent
+        released = time.perf_counter()
+        seen.release(1)
+        await anext(b_chunks)
+        live = time.perf_counter() - released
+        seen.release(10)
+        tails = [c async for c in a_chunks], [c async for c in b_chunks]
+        assert all(b"[DONE]" in b"".join(t) for t in tails)
+    return first, live
+
+
 async def ttfb_once(client: httpx.AsyncClient, turn: str) -> float:
     start = first = time.perf_counter()
     headers = {"X-Turn-Id": turn}
@@ -214,6 +247,15 @@ async def main(rounds: int, ttfb_rounds: int, cluster: bool = False) -> None:
             # be confirmed (the handshake); compare the retry's own response time.
             print(f"retry answered, other process (redis): {describe([c[1] for c in cross])}")
             print(f"retry answered, same process (memory): {describe([c[1] for c in local])}")
+
+            before_up = len(upstream.seen)
+            remote = [await follow_round(upstream, a, b, f"follow-{i}") for i in range(rounds)]
+            local = [await follow_round(upstream, a, a, f"follow-l-{i}") for i in range(rounds)]
+            assert len(upstream.seen) - before_up == 2 * rounds  # every follower saved one
+            print(f"follower's first event, other process: {describe([r[0] for r in remote])}")
+            print(f"follower's first event, same process:  {describe([r[0] for r in local])}")
+            print(f"live event at the follower, other process: {describe([r[1] for r in remote])}")
+            print(f"live event at the follower, same process:  {describe([r[1] for r in local])}")
 
             ttfb: dict[str, list[float]] = {"direct": [], "mem": [], "a": []}
             before = {name: await added_ttfb(clients[name]) for name in ("mem", "a")}
