@@ -161,9 +161,12 @@ async def test_the_last_reader_on_any_process_leaving_closes_the_upstream(
         assert not upstream.seen[0].finished
 
 
+@pytest.mark.parametrize("where", ["origin", "follower"])
 async def test_a_newer_generation_fences_followers_on_every_process(
-    make_proxy: ProxyFactory, upstream: ScriptedUpstream, redis_server: Server
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, redis_server: Server, where: str
 ) -> None:
+    """The newer generation starts on the origin's process (its fence reaches the remote
+    follower through Redis) or on the follower's own (fenced there by the claim itself)."""
     turn = {"X-Turn-Id": "remote-fence"}
     body = chat_body(gated=True, tokens=4, prefix="F")
     async with two_proxies(make_proxy, upstream, redis_server) as (pa, pb):
@@ -175,7 +178,8 @@ async def test_a_newer_generation_fences_followers_on_every_process(
             b_events = events(b)
             assert (await anext(b_events)).text == "F0 "
             # The same turn id with another body: a new generation, on A's process.
-            newer = await ca.post(CHAT, json=chat_body(stream=False, prefix="N"), headers=turn)
+            client = ca if where == "origin" else cb
+            newer = await client.post(CHAT, json=chat_body(stream=False, prefix="N"), headers=turn)
             assert newer.status_code == 200 and newer.headers["x-streamfence-attempt"] == "2"
             upstream.seen[0].release(10)  # sent after the fence: must reach nobody
             a_rest, b_rest = await asyncio.wait_for(

@@ -206,6 +206,9 @@ class RedisRegistry(Registry):
         token_raw, attempt_raw, prev_raw = reply
         lease = Lease(key, int(token_raw), int(attempt_raw))
         self._by_ref[_ref(lease)] = lease
+        for watched in list(self._watched.get(key, ())):  # followed here: fenced at once
+            if watched.token < lease.token:
+                watched.supersede(newer_attempt=lease.attempt)
         local = self._local.get(key)
         if local is None:
             self._local[key] = _Local(lease, 1)
