@@ -16,6 +16,7 @@ Redis errors become `RegistryUnavailable` here (`translate`), and only here.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 from binascii import crc_hqx
@@ -27,6 +28,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
@@ -105,6 +107,26 @@ class Keys:
         if not self.cluster:
             return f"{PREFIX}token"
         return f"{PREFIX}{{{_slot_tags()[slot(key)]}}}:token"
+
+
+BATCH = 64  # script calls in flight at once on a cluster (no cross-node pipeline there)
+
+
+async def call_each(
+    client: Client, script: AsyncScript, calls: list[tuple[list[str], list[str | int]]]
+) -> list[Any]:
+    """Run `script` once per (keys, args): one round trip for them all on one server (a
+    pipeline); on a cluster, whose keys live on several nodes, concurrent calls in batches."""
+    if isinstance(client, Redis):
+        async with client.pipeline(transaction=False) as pipe:
+            for keys, args in calls:
+                await script(keys=keys, args=args, client=pipe)
+            return list(await pipe.execute())
+    replies: list[Any] = []
+    for i in range(0, len(calls), BATCH):
+        batch = calls[i : i + BATCH]
+        replies += await asyncio.gather(*(script(keys=k, args=a) for k, a in batch))
+    return replies
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -35,7 +35,7 @@ from redis.commands.core import AsyncScript
 from proxy.config import RegistryConfig
 from proxy.errors import RegistryUnavailable
 from proxy.registry.base import Lease, Registry
-from proxy.registry.connection import COMMAND_TIMEOUT, Keys, connect, translate
+from proxy.registry.connection import COMMAND_TIMEOUT, Keys, call_each, connect, translate
 from proxy.registry.genlog import DEAD_AFTER, GenerationLog
 from proxy.registry.scripts import CLAIM, CLAIM_OR_FOLLOW, REFRESH, RELEASE
 from proxy.registry.subscriber import Recent, Subscriber
@@ -44,7 +44,6 @@ log = logging.getLogger("streamfence")
 
 ACK_WAIT = 0.05  # the longest a claim waits for another process to confirm a fence
 WARN_EVERY = 5.0  # seconds between "forwarding unfenced" warnings while Redis is down
-REFRESH_BATCH = 64  # refresh scripts in flight at once on a cluster (no pipeline there)
 
 # A lease named across processes: tokens are unique per turn key (see `connection`).
 Ref = tuple[str, int]
@@ -390,26 +389,12 @@ class RedisRegistry(Registry):
         holders = [local.holder for local in self._local.values() if not local.holder.superseded]
         if not holders:
             return
+        calls: list[tuple[list[str], list[str | int]]] = [
+            ([self.keys.entry(h.key)], [str(h.token), self.ttl_ms]) for h in holders
+        ]
         with translate("refresh"):
-            replies = await self._refresh_entries(holders)
+            replies = await call_each(self._client, self._refresh, calls)
         for lease, (token, attempt) in zip(holders, replies, strict=True):
             if token is not None and int(token) > lease.token:
                 lease.supersede(newer_attempt=int(attempt))
                 self._ack(_ref(lease))
-
-    async def _refresh_entries(self, holders: list[Lease]) -> list[Any]:
-        def call(lease: Lease, client: Any = None) -> Awaitable[Any]:
-            args: list[str | int] = [str(lease.token), self.ttl_ms]
-            return self._refresh(keys=[self.keys.entry(lease.key)], args=args, client=client)
-
-        if isinstance(self._client, Redis):  # one round trip for them all
-            async with self._client.pipeline(transaction=False) as pipe:
-                for lease in holders:
-                    await call(lease, pipe)
-                return list(await pipe.execute())
-        # A cluster's entries live on several nodes: concurrent calls, a batch at a time.
-        replies: list[Any] = []
-        for i in range(0, len(holders), REFRESH_BATCH):
-            batch = holders[i : i + REFRESH_BATCH]
-            replies += await asyncio.gather(*(call(lease) for lease in batch))
-        return replies
