@@ -59,8 +59,8 @@ class Decision:
 
 
 def decide(live: Generation | None, attempt: Attempt, policy: Policy, now: float) -> Decision:
-    if live is None or live.fenced or attempt.body_hash is None:
-        return Decision(NEW)
+    if live is None or live.fenced or live.closing or attempt.body_hash is None:
+        return Decision(NEW)  # (closing: its last client left; its upstream is going)
     ask = live.ask
     identical = ask.body_hash == attempt.body_hash
     if policy.on_retry == "supersede" or not identical:

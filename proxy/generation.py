@@ -104,6 +104,7 @@ class Generation:
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self.is_sse = False
         self.fenced_at: float | None = None  # when a newer generation's claim fenced this one
+        self.closing = False  # its upstream is being closed for want of clients: not followable
         self.error: StreamfenceError | None = None
         self.events: list[bytes] = []  # events[i] is event number base + i + 1
         self.base = 0
@@ -317,9 +318,12 @@ class Generation:
                 self._trim()
             return
         if not self.done:
-            if self.writer is not None and await self._remote_readers():
-                _spawn(self._close_after_remote_readers())  # other processes still read it
+            if self.writer is not None and not self.writer.broken:
+                # Other processes may read it: they decide, in the background (no await
+                # here, where a local twin could attach meanwhile).
+                _spawn(self._close_unless_read_elsewhere())
                 return
+            self.closing = True
             self._task.cancel()
         await asyncio.shield(self.finished.wait())
         if not self.retained:
@@ -331,21 +335,28 @@ class Generation:
             return 0
         if writer.readers:
             return writer.readers
-        try:  # a reader may have registered since the writer last counted
-            return await writer.log.readers(writer.key, writer.token)
+        try:  # a reader may have registered since the writer last counted; if none has,
+            # the log is ended in the same step, so that none can start following it now
+            return await writer.log.readers(writer.key, writer.token, close_if_none=True)
         except StreamfenceError:
             return 0
 
-    async def _close_after_remote_readers(self) -> None:
+    async def _close_unless_read_elsewhere(self) -> None:
         """No client here: the upstream stays open while other processes read the log,
         and closes once none does (readers are counted with a TTL: a crashed process's
         stop counting within a few seconds)."""
-        while not self.done and not self._watchers and await self._remote_readers():
+        while True:
+            readers = await self._remote_readers()
+            if self._watchers:  # a client here again: the last one to leave decides
+                if not readers and self.writer is not None:
+                    _spawn(self.writer.log.reopen(self.writer.key, self.writer.token))
+                return
+            if self.done or not readers:
+                break
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self.finished.wait()), HEARTBEAT)
-        if self._watchers:
-            return  # a client here again: the last one to leave decides
         if not self.done:
+            self.closing = True
             self._task.cancel()
         await asyncio.shield(self.finished.wait())
         if not self.retained:

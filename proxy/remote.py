@@ -73,7 +73,7 @@ class RemoteGeneration(Generation):
         reader, superseded = None, False
         try:
             self.forwarded_at = time.perf_counter()
-            reader = await self._source.follow(key, current.token)
+            reader = await self._source.follow(key, current.token, reader_id=current.reader_id)
             start = await reader.wait_start()
             self.headers_at = time.perf_counter()
             self.last_activity = time.monotonic()

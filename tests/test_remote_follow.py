@@ -7,6 +7,7 @@ dead writer's followers get an error, never a hang or a clean end."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -251,3 +252,75 @@ async def test_without_follow_across_each_process_asks_for_itself(
             upstream.seen[1].release(10)
             got = [e async for e in events(b)]
             assert got[-1].data == "[DONE]"
+
+
+@pytest.mark.stress
+async def test_stress_identical_requests_routed_at_random_over_three_processes(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, redis_server: Server
+) -> None:
+    """60 turns, each asked 2-4 times at once by clients spread at random over three
+    processes, some of which leave after the first event: every remaining client gets the
+    whole answer, unfenced, and each turn is asked upstream once (twice at most where a
+    client left: a twin that comes after the only reader left starts anew)."""
+    rng = random.Random(15)
+    overrides = {"registry.backend": "redis", "registry.url": redis_server.url, **HEALTHY}
+    async with AsyncExitStack() as stack:
+        proxies = [
+            await stack.enter_async_context(make_proxy(upstream.url, **overrides)) for _ in range(3)
+        ]
+        for p in proxies:
+            registry = p.runtime.registry
+            assert isinstance(registry, RedisRegistry)
+            await asyncio.wait_for(registry.wait_subscribed(), 10)
+        clients = [await stack.enter_async_context(p.client()) for p in proxies]
+        limit = asyncio.Semaphore(12)
+
+        async def ask(i: int, client_no: int, leaves: bool) -> str | None:
+            # 0.6 s of answer: every twin, sent at once, arrives while it runs
+            body = chat_body(f"turn {i}", tokens=4, delay=0.15, prefix=f"T{i}-")
+            async with clients[client_no].stream("POST", CHAT, json=body) as r:
+                assert r.status_code == 200
+                got = events(r)
+                first = await anext(got)
+                if leaves:
+                    return None
+                rest = [e async for e in got]
+            texts = "".join(e.text for e in [first, *rest])
+            assert rest[-1].data == "[DONE]" and not _errors(rest), (i, rest)
+            return texts
+
+        left: set[str] = set()
+
+        async def turn(i: int) -> None:
+            async with limit:
+                n = rng.randint(2, 4)
+                routes = [rng.randrange(3) for _ in range(n)]
+                leaving = [j == 0 and n > 2 and rng.random() < 0.5 for j in range(n)]
+                if any(leaving):
+                    left.add(f"T{i}-")
+                answers = await asyncio.gather(
+                    *(ask(i, c, leave) for c, leave in zip(routes, leaving, strict=True))
+                )
+                for answer in answers:
+                    assert answer in (None, "".join(f"T{i}-{k} " for k in range(4))), answer
+
+        await asyncio.wait_for(asyncio.gather(*(turn(i) for i in range(60))), 120)
+        per_turn: dict[str, int] = {}
+        for seen in upstream.seen:
+            per_turn[seen.script.prefix] = per_turn.get(seen.script.prefix, 0) + 1
+        assert len(per_turn) == 60, per_turn
+        assert all(n == 1 for t, n in per_turn.items() if t not in left), per_turn
+        assert all(n <= 2 for n in per_turn.values()), per_turn
+        assert left and sum(per_turn[t] for t in left) < 2 * len(left)  # most still shared
+        for p in proxies:
+            await p.runtime.wait_idle()
+
+        async def drained() -> bool:
+            return all(
+                p.runtime.registry.live_keys() == 0 and p.runtime.budget.used == 0 for p in proxies
+            )
+
+        deadline = time.monotonic() + 10
+        while not await drained():
+            assert time.monotonic() < deadline, [p.runtime.registry.live_keys() for p in proxies]
+            await asyncio.sleep(0.05)

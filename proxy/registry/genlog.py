@@ -33,6 +33,7 @@ publishing and its generation carries on locally. Readers get `GenerationLost`.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 from proxy.errors import GenerationLost, RegistryUnavailable
@@ -118,10 +119,13 @@ class GenerationLog:
             raise RegistryUnavailable("streamfence: could not create the generation log")
         return writer
 
-    async def follow(self, key: str, token: int, after: int | None = None) -> LogReader:
+    async def follow(
+        self, key: str, token: int, after: int | None = None, reader_id: str | None = None
+    ) -> LogReader:
         """A registered reader of the log: batches from the start, or after event index
-        `after`. Raises `GenerationLost` if there is no such log or its writer is gone."""
-        reader = LogReader(self, key, token, after)
+        `after`. Raises `GenerationLost` if there is no such log or its writer is gone.
+        `reader_id`: the id it was registered under already (`claim_or_follow`)."""
+        reader = LogReader(self, key, token, after, reader_id)
         await reader.check()
         reader.keep_alive()
         return reader
@@ -135,7 +139,15 @@ class GenerationLog:
         meta = Meta.parse(int(reply[0]), reply[3]) if reply[3] else None
         return Current(int(reply[1]), int(reply[2]), meta)
 
-    async def readers(self, key: str, token: int) -> int:
-        """Readers registered on any process (and not expired)."""
+    async def reopen(self, key: str, token: int) -> None:
+        """Undo `readers(close_if_none=True)`: its writer carries on after all."""
+        with contextlib.suppress(RegistryUnavailable), translate("reopen"):
+            await self.client.hdel(self.keys(key, token)[1], "ended")
+
+    async def readers(self, key: str, token: int, *, close_if_none: bool = False) -> int:
+        """Readers registered on any process (and not expired). `close_if_none`: if there
+        are none, mark the log ended in the same step (its writer is about to stop)."""
+        _, meta, readers = self.keys(key, token)
         with translate("readers"):
-            return int(await self._readers(keys=[self.keys(key, token)[2]]))
+            args = ["1" if close_if_none else "0"]
+            return int(await self._readers(keys=[readers, meta], args=args))

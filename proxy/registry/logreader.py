@@ -77,9 +77,16 @@ class LogReader:
     """An async iterator of `Batch`es; ends after the end marker (`outcome` then says
     which) or raises `GenerationLost`. Use `async with`, or call `aclose()`: it unregisters."""
 
-    def __init__(self, log: GenerationLog, key: str, token: int, after: int | None) -> None:
+    def __init__(
+        self,
+        log: GenerationLog,
+        key: str,
+        token: int,
+        after: int | None,
+        reader_id: str | None = None,
+    ) -> None:
         self.log, self.key, self.token = log, key, token
-        self.id = uuid.uuid4().hex
+        self.id = reader_id or uuid.uuid4().hex
         self.start: Start | None = None
         self.outcome: str | None = None
         self.meta: Meta | None = None

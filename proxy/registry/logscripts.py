@@ -87,5 +87,13 @@ return {nows, cur[1], cur[2], meta}
 """
 )
 
-# KEYS: readers. Readers registered and not expired, by Redis's clock.
-READERS = _NOW + "return redis.call('ZCOUNT', KEYS[1], '(' .. nows, '+inf')\n"
+# KEYS: readers, meta. ARGV: '1' to end the log if nobody reads it (atomically with the
+# count: a follower deciding a moment later finds it ended and starts anew), else '0'.
+READERS = (
+    _NOW
+    + """
+local n = redis.call('ZCOUNT', KEYS[1], '(' .. nows, '+inf')
+if n == 0 and ARGV[1] == '1' then redis.call('HSET', KEYS[2], 'ended', 'failed') end
+return n
+"""
+)

@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -36,7 +37,7 @@ from proxy.config import RegistryConfig
 from proxy.errors import RegistryUnavailable
 from proxy.registry.base import Lease, Registry
 from proxy.registry.connection import COMMAND_TIMEOUT, Keys, call_each, connect, translate
-from proxy.registry.genlog import DEAD_AFTER, GenerationLog
+from proxy.registry.genlog import DEAD_AFTER, READER_TTL, GenerationLog
 from proxy.registry.scripts import CLAIM, CLAIM_OR_FOLLOW, REFRESH, RELEASE
 from proxy.registry.subscriber import Recent, Subscriber
 
@@ -55,6 +56,7 @@ class Follow(NamedTuple):
     token: int
     attempt: int
     events: int  # published so far
+    reader_id: str = ""  # registered as a reader of its log under this id, by the claim
 
 
 @dataclass(slots=True)
@@ -177,8 +179,11 @@ class RedisRegistry(Registry):
         log = self.generation_log()
         args: list[str | int] = [self.ttl_ms, self.channel, key, log.prefix(key), body_hash]
         args += ["1" if streaming else "0", int(healthy_within * 1000), "1" if join else "0"]
-        args += [log.ttl_ms, log.maxlen, int(DEAD_AFTER * 1000)]
+        reader_id = uuid.uuid4().hex
+        args += [log.ttl_ms, log.maxlen, int(DEAD_AFTER * 1000), reader_id, int(READER_TTL * 1000)]
         answer: Lease | Follow | str = await self._claim_with(key, self._claim_or_follow, args)
+        if isinstance(answer, Follow):
+            return answer._replace(reader_id=reader_id)
         return answer
 
     async def _claim_with(self, key: str, script: AsyncScript, args: list[str | int]) -> Any:

@@ -30,7 +30,8 @@ CLAIM = "local now = redis.call('TIME')" + _CLAIM + "return {tok, attempt, befor
 # another process a moment later finds it. The log's keys are built from the token (same
 # hash tag as the entry: the same slot).
 # KEYS: entry, counter. ARGV: ttl ms, channel, turn key, log prefix (up to the token), body
-# hash, mode, healthy ms, join ('1'/'0'), log ttl ms, maxlen, dead-after ms.
+# hash, mode, healthy ms, join ('1'/'0'), log ttl ms, maxlen, dead-after ms, reader id,
+# reader ttl ms.
 CLAIM_OR_FOLLOW = (
     """
 local now = redis.call('TIME')
@@ -42,6 +43,11 @@ if holder[1] then
   if m[1] == ARGV[5] and not m[5] and ms - tonumber(m[3]) <= tonumber(ARGV[11]) then
     local healthy = ms - tonumber(m[4]) < tonumber(ARGV[7])
     if m[2] == ARGV[6] and (healthy or ARGV[8] == '1') then
+      -- Counted as a reader from now on: the writer must not close its upstream between
+      -- this answer and the follower's first read.
+      local readers = ARGV[4] .. holder[1] .. ':readers'
+      redis.call('ZADD', readers, ms + tonumber(ARGV[13]), ARGV[12])
+      redis.call('PEXPIRE', readers, ARGV[9])
       return {'follow', holder[1], holder[2], m[6] or '0'}
     end
     if m[2] ~= ARGV[6] and healthy then return {'beside'} end
