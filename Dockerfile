@@ -14,7 +14,7 @@ FROM python:3.11-slim-bookworm AS build
 ENV VIRTUAL_ENV=/opt/streamfence \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY proxy/ proxy/
 # Every dependency ships wheels, so no compiler is needed; if one ever did not, this step
 # fails loudly here instead of dragging build tools into the final image.
@@ -22,6 +22,16 @@ RUN python -m venv "$VIRTUAL_ENV" \
     && "$VIRTUAL_ENV/bin/pip" install --no-cache-dir .
 
 FROM python:3.11-slim-bookworm
+ARG VERSION=0.1.0
+# OCI image annotations (https://specs.opencontainers.org/image-spec/annotations/).
+LABEL org.opencontainers.image.title="streamfence" \
+      org.opencontainers.image.description="A local HTTP proxy that fences superseded LLM streaming attempts: one writer per turn." \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.licenses="MIT" \
+      org.opencontainers.image.source="https://github.com/streamfence/streamfence" \
+      org.opencontainers.image.url="https://github.com/streamfence/streamfence" \
+      org.opencontainers.image.documentation="https://github.com/streamfence/streamfence#readme" \
+      org.opencontainers.image.vendor="the streamfence authors"
 ENV VIRTUAL_ENV=/opt/streamfence \
     PATH=/opt/streamfence/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -32,6 +42,7 @@ RUN useradd --system --no-log-init --uid 10001 --user-group --no-create-home \
         --shell /usr/sbin/nologin streamfence
 COPY --from=build /opt/streamfence /opt/streamfence
 COPY config.example.toml /etc/streamfence/config.example.toml
+COPY LICENSE /usr/share/doc/streamfence/LICENSE
 USER 10001:10001
 EXPOSE 8787
 # No proxy for the probe itself: HTTP(S)_PROXY set for the upstreams must not catch it.

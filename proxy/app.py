@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,17 +28,17 @@ from starlette.types import Receive as ASGIReceive
 from starlette.types import Scope
 from starlette.types import Send as ASGISend
 
-from proxy import dialects, follow, logs, remote, routing, shutdown, status, turns
+from proxy import dialects, egress, follow, logs, remote, routing, shutdown, status, tracing, turns
 from proxy.config import Config, UpstreamConfig
 from proxy.errors import BodyTooLarge, NoRoute, StreamfenceError, Unauthorized
 from proxy.follow import Attempt, Decision, Generations, Policy
 from proxy.generation import Ask, Budget, Generation
 from proxy.logs import Record
-from proxy.metrics import Metrics
+from proxy.metrics import Metrics, scrape_authorized
 from proxy.registry import Lease, MemoryRegistry, Registry
 from proxy.relay import Exchange, Receive, Send, Subscriber, error_response_parts
 from proxy.routing import RESERVED_PREFIX, Router, request_headers
-from proxy.upstream import UpstreamClient, build_request, create_client
+from proxy.upstream import UpstreamClient, build_request, create_client, ssl_context_for
 
 ACCESS_TOKEN_HEADER = b"x-streamfence-token"
 REQUEST_ID_HEADER = b"x-request-id"
@@ -71,7 +72,8 @@ class Runtime:
         self._idle.set()
         self.budget = Budget(config.server.join_buffer_total_bytes)
         self.generations: Generations | None = None  # with the client, in the lifespan
-        self.status = status.StatusBoard()
+        self.status = status.StatusBoard(up.name for up in config.upstream)
+        self.tracer = tracing.create(config.tracing)  # None unless tracing is on
         self.policies = {
             up.name: Policy(up.on_retry, up.healthy_within, up.replay_fingerprints)
             for up in config.upstream
@@ -100,12 +102,15 @@ class Runtime:
 
     def finished(self, record: Record, error: StreamfenceError | None) -> None:
         kind = getattr(error, "kind", None)
+        record.cause = getattr(error, "cause", "")
         self.metrics.observe(record, kind)
         self.metrics.in_flight.dec()
-        if record.outcome == "superseded":
+        if record.fenced_generation:  # once per generation, not per follower
             logs.log_supersede(record, self.config.server.log_format)
         logs.log_request(record, self.config.server.log_format)
-        self.status.finished(record)
+        self.status.finished(record, error)
+        if self.tracer is not None:
+            self.tracer.end(record)
 
 
 class ProxyEndpoint:
@@ -218,7 +223,7 @@ class ProxyEndpoint:
                 return generation, Exchange(record.dialect, short, how, cursor, own, write_timeout)
             if answer is None:  # beside it: fences nobody, fenced by nobody
                 decision = Decision(follow.BESIDE, how="beside")
-                ask = self._ask(up, route, record, turn, headers, body, keyed=False)
+                ask = self._ask(up, route, record, turn, headers, body, keyed=False, trace=False)
             else:
                 lease = answer
         record.source = decision.how
@@ -236,6 +241,7 @@ class ProxyEndpoint:
         body: bytes,
         *,
         keyed: bool,
+        trace: bool = True,
     ) -> Ask:
         stamp = keyed and (
             up.event_ids == "always" or (up.event_ids == "auto" and record.dialect == dialects.SSE)
@@ -245,6 +251,8 @@ class ProxyEndpoint:
         out_headers = request_headers(headers, drop)
         if not any(n == REQUEST_ID_HEADER for n, _ in out_headers):
             out_headers.append((REQUEST_ID_HEADER, record.request_id.encode()))
+        if trace and self.rt.tracer is not None:  # the request's span; upstream gets its
+            out_headers = self.rt.tracer.start(record, headers, out_headers)  # traceparent
         followable = keyed and up.on_retry != "supersede"
         return Ask(
             request=build_request(record.method, route.url, out_headers, body, up),
@@ -338,7 +346,12 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        runtime.client = create_client(transport, config.server.http_transport)
+        runtime.client = create_client(
+            transport,
+            config.server.http_transport,
+            egress.plan(config, os.environ),
+            ssl_context_for(config.server.ca_bundle, os.environ),
+        )
         log = runtime.registry.generation_log() if config.registry.follow_across else None
         runtime.generations = Generations(runtime.client, runtime.registry, runtime.budget, log)
         await runtime.registry.start()
@@ -350,6 +363,8 @@ def create_app(
             drain.uninstall()
             await runtime.client.aclose()
             await runtime.registry.close()
+            if runtime.tracer is not None:
+                runtime.tracer.shutdown()  # exports the spans still queued
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -359,8 +374,10 @@ def create_app(
         return JSONResponse({"status": "ready" if ok else "not ready"}, 200 if ok else 503)
 
     async def metrics(request: Request) -> Response:
-        if not runtime.authorized(request.scope["headers"]):
-            return PlainTextResponse("access token required\n", 401)
+        if not scrape_authorized(request.headers, runtime.token):
+            return PlainTextResponse(
+                "access token required\n", 401, headers={"www-authenticate": "Bearer"}
+            )
         return Response(runtime.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def status_page(request: Request) -> Response:

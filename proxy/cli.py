@@ -1,46 +1,150 @@
-"""The `streamfence` command: run the proxy, run the demo, or check a config file."""
+"""The `streamfence` command: serve (the default), demo, check-config, help.
+
+argparse subcommands; every mistake on the command line is one line on stderr and exit 2,
+every `--help` exit 0. Running the proxy itself is proxy/serve.py.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import gc
-import ipaddress
-import json
-import logging
 import os
-import signal
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
-from proxy import __version__, shutdown
-from proxy.config import Config, ConfigError, from_dict, load
+from proxy import __version__
+from proxy.config import Config, ConfigError, load
 
-if TYPE_CHECKING:
-    from starlette.applications import Starlette
+EXAMPLE_URL = "https://github.com/streamfence/streamfence/blob/main/config.example.toml"
+COMMANDS = ("serve", "run", "demo", "check-config", "help")  # run: the old name of serve
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# The flag each config key can come from, for error messages that name what the user typed.
+FLAGS = {
+    "upstream.url": "--upstream",
+    "server.host": "--host",
+    "server.port": "--port",
+    "server.workers": "--workers",
+    "server.access_token": "--access-token",
+    "server.log_format": "--log-format",
+    "registry.url": "--registry-url",
+    "registry.backend": "--registry-url",
+}
 
-COMMANDS = ("run", "demo", "check-config")
-WORKER_ENV = "_STREAMFENCE_WORKER_CONFIG"  # not STREAMFENCE_*: that prefix is config keys
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, not argparse's usage block plus the error: the message is what matters.
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _run_parser(prog: str = "streamfence") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description="A local proxy that fences superseded LLM streaming attempts.",
-        epilog="Commands: run (default), demo, check-config FILE.",
-    )
+def _serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--upstream", metavar="URL", help="forward every path to URL + path")
-    p.add_argument("--config", metavar="FILE", help="a TOML file (see config.example.toml)")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help=f"a TOML file; every key is described in config.example.toml ({EXAMPLE_URL})",
+    )
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="listen port (default 8787)")
+    p.add_argument("--port", type=int, help="listen port (default 8787; 0 picks a free one)")
     p.add_argument("--workers", type=int, help="uvicorn workers (needs the redis registry)")
     p.add_argument("--registry-url", metavar="URL", help="use the redis registry at URL")
     p.add_argument("--access-token", help="callers must send it as x-streamfence-token")
-    p.add_argument("--log-format", choices=("json", "text"), help="request log format")
-    p.add_argument("--log-level", default="info", help="debug, info, warning, error")
-    p.add_argument("--version", action="version", version=f"streamfence {__version__}")
-    return p
+    p.add_argument("--log-format", choices=("json", "text"), help="log format (default json)")
+    p.add_argument(
+        "--log-level", type=str.lower, choices=LOG_LEVELS, default="info", help="default info"
+    )
+
+
+TOP_EPILOG = """commands:
+  serve          run the proxy (the default: `streamfence --upstream URL` serves)
+  demo           see the fence live, with no network and no key
+  check-config   validate a config file
+  help           show help for a command
+
+Options of a command: streamfence COMMAND --help."""
+
+
+def build_parser() -> Parser:
+    top = Parser(
+        prog="streamfence",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage=(
+            "\n  streamfence [serve] [--upstream URL | --config FILE] [options]"
+            "\n  streamfence demo [--pace SECONDS] [--no-color]"
+            "\n  streamfence check-config FILE"
+            "\n  streamfence help [COMMAND]"
+        ),
+        description="A local proxy that fences superseded LLM streaming attempts: "
+        "one writer per turn.",
+        epilog=TOP_EPILOG,
+    )
+    top.add_argument("--version", action="version", version=f"streamfence {__version__}")
+    sub = top.add_subparsers(dest="command", help=argparse.SUPPRESS)  # listed in the epilog
+    serve = sub.add_parser(
+        "serve",
+        prog="streamfence serve",
+        aliases=["run"],
+        help="run the proxy (the default command)",
+        description="Run the proxy. Settings: flags beat STREAMFENCE_* environment "
+        "variables beat the --config file.",
+    )
+    _serve_options(serve)
+    serve.set_defaults(func=_serve)
+
+    demo = sub.add_parser(
+        "demo",
+        prog="streamfence demo",
+        help="see the fence live, with no network and no key",
+        description="A scripted provider and the proxy on 127.0.0.1: an agent retries a "
+        "stalled stream, once straight to the provider and once through streamfence.",
+    )
+    demo.add_argument("--pace", type=float, default=0.12, help="seconds between tokens")
+    demo.add_argument("--no-color", action="store_true", help="no colours (also NO_COLOR=1)")
+    demo.set_defaults(func=_demo)
+
+    check = sub.add_parser(
+        "check-config",
+        prog="streamfence check-config",
+        help="validate a config file",
+        description="Check FILE alone (environment and flags are not applied) and report "
+        "every problem with its key path, e.g. upstream[0].url.",
+    )
+    check.add_argument("file", metavar="FILE")
+    check.set_defaults(func=_check_config)
+
+    help_ = sub.add_parser(
+        "help", prog="streamfence help", help="show help for a command", description="Show help."
+    )
+    help_.add_argument("topic", metavar="COMMAND", nargs="?", choices=COMMANDS)
+    help_.set_defaults(func=lambda args: _help(top, sub.choices, args.topic))
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv) or ["serve"]
+    parser = build_parser()
+    first = args_list[0]
+    if first not in COMMANDS and not first.startswith("-"):
+        print(
+            f"streamfence: error: unknown command {first!r} (commands: serve, demo, "
+            "check-config, help; see streamfence --help)",
+            file=sys.stderr,
+        )
+        return 2
+    if first not in COMMANDS and first not in ("-h", "--help", "--version"):
+        args_list.insert(0, "serve")  # `streamfence --upstream URL`
+    try:
+        args = parser.parse_args(args_list)
+    except SystemExit as exc:  # --help, --version, a usage error: argparse has said it
+        return exc.code if isinstance(exc.code, int) else 2
+    func: Callable[[argparse.Namespace], int] = args.func
+    return func(args)
+
+
+def _help(top: Parser, commands: dict[str, Any], topic: str | None) -> int:
+    parser = top if topic is None else commands[topic]
+    parser.print_help()
+    return 0
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -55,133 +159,50 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if args.registry_url:
         overrides["registry.backend"] = "redis"
         overrides["registry.url"] = args.registry_url
-    return load(args.config, overrides=overrides)
+    config = load(args.config, overrides=overrides, flags=FLAGS)
+    from proxy import egress  # noqa: PLC0415 - keep `--help` fast
+    from proxy.upstream import ssl_context_for  # noqa: PLC0415 - imports httpx: not for --help
+
+    # The environment's proxy URLs and CA certificates are checked now, not when the
+    # server starts (a traceback) or at the first request.
+    problems = []
+    for check in (
+        lambda: egress.plan(config, os.environ),
+        lambda: ssl_context_for(config.server.ca_bundle, os.environ),
+    ):
+        try:
+            check()
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError(problems)
+    return config
 
 
-def setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    logger = logging.getLogger("streamfence")
-    logger.handlers[:] = [handler]
-    logger.setLevel(level.upper())
-    logger.propagate = False
-    # One log line per request is on the hot path: skip what "%(message)s" never shows, the
-    # caller's frame, thread and process (the logging HOWTO's "Optimization" section).
-    logging._srcfile = None
-    logging.logThreads = False
-    logging.logProcesses = False
-    logging.logMultiprocessing = False
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
+def _serve(args: argparse.Namespace) -> int:
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+        config = config_from_args(args)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"streamfence: config error: {problem}", file=sys.stderr)
+        return 2
+    from proxy.serve import serve  # noqa: PLC0415 - keep `--help` and check-config fast
+
+    return serve(config, args.log_level)
 
 
-def _without_userinfo(url: str) -> str:
-    # A user:password in an upstream URL is a credential: never print it.
-    scheme, sep, rest = url.partition("://")
-    authority, slash, path = rest.partition("/")
-    return f"{scheme}{sep}{authority.rpartition('@')[2]}{slash}{path}"
+def _demo(args: argparse.Namespace) -> int:
+    from proxy.demo import run_demo  # noqa: PLC0415
+
+    return run_demo(args.pace, no_color=args.no_color)
 
 
-def startup_lines(config: Config) -> list[str]:
-    s = config.server
-    lines = [f"streamfence {__version__} listening on http://{s.host}:{s.port}"]
-    if s.workers > 1:
-        lines[0] += f" ({s.workers} workers)"
-    for up in config.upstream:
-        url = _without_userinfo(up.url)
-        lines.append(f"  upstream {up.name!r}: {up.prefix} -> {url} (dialect {up.dialect})")
-    reg = config.registry
-    where = ""
-    if reg.backend == "redis":
-        where = f" at {reg.url.split('@')[-1]} ({reg.on_unavailable} when unreachable)"
-    lines.append(f"  registry: {reg.backend}{where}")
-    if not _is_loopback(s.host) and not s.access_token:
-        lines.append(
-            f"WARNING: listening on {s.host}, which is not a loopback address, with no access "
-            "token: anyone who can reach this port can use your upstream credentials' "
-            "turns. Set [server] access_token or --access-token."
-        )
-    return lines
-
-
-def serve(config: Config, log_level: str) -> int:
-    import uvicorn  # noqa: PLC0415 - keep `--help` and check-config fast
-
-    from proxy.app import create_app  # noqa: PLC0415
-
-    setup_logging(log_level)
-    for line in startup_lines(config):
-        print(line, file=sys.stderr, flush=True)
-    signal.signal(signal.SIGTERM, shutdown.exit_cleanly)  # exit 0 after a graceful stop
-    app: Any = None
-    extra: dict[str, Any] = {}
-    if config.server.workers > 1:
-        # uvicorn starts workers as fresh processes: they need an import string, and
-        # they get the already-validated config through the environment.
-        os.environ[WORKER_ENV] = json.dumps(
-            {"config": dataclasses.asdict(config), "log_level": log_level}
-        )
-        app, extra = "proxy.cli:worker_app", {"factory": True, "workers": config.server.workers}
-    else:
-        app = create_app(config)
-        freeze_startup_objects()
-    uvicorn.run(
-        app,
-        **extra,
-        host=config.server.host,
-        port=config.server.port,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=False,
-        log_level="warning",
-        server_header=False,  # the upstream's own date and server headers pass through
-        date_header=False,
-        # Later than the app's own deadline (proxy.shutdown), which ends streams cleanly.
-        timeout_graceful_shutdown=shutdown.uvicorn_timeout(config.server.shutdown_grace),
-    )
-    return 0
-
-
-def worker_app() -> Starlette:
-    """The app factory each uvicorn worker calls (`streamfence --workers N`)."""
-    from proxy.app import create_app  # noqa: PLC0415
-
-    raw = json.loads(os.environ[WORKER_ENV])
-    setup_logging(raw["log_level"])
-    app = create_app(from_dict(raw["config"]))
-    freeze_startup_objects()
-    return app
-
-
-def freeze_startup_objects() -> None:
-    """What the process holds after its imports lives as long as the process: moved out of
-    the cyclic collector's sight, a full collection scans only what requests created. In
-    the benchmark (B5) a full collection otherwise paused the event loop for ~22 ms, and
-    every request arriving meanwhile waited."""
-    gc.collect()
-    gc.freeze()
-
-
-def check_config(argv: Sequence[str]) -> int:
+def _check_config(args: argparse.Namespace) -> int:
     """Validate one file on its own (no environment, no flags): every problem, each with its
     key path, then exit 1; or what the file sets up, then exit 0."""
-    if len(argv) != 1 or argv[0] in ("-h", "--help"):
-        print(
-            "usage: streamfence check-config FILE\n"
-            "Checks FILE alone (environment and flags are not applied) and reports every\n"
-            "problem with its key path, e.g. upstream[0].url.",
-            file=sys.stderr,
-        )
-        return 2
-    path = argv[0]
+    from proxy.serve import startup_lines  # noqa: PLC0415
+
+    path = args.file
     try:
         config = load(path, env={})
     except ConfigError as exc:
@@ -190,25 +211,6 @@ def check_config(argv: Sequence[str]) -> int:
         print(f"{path}: {len(exc.problems)} problem(s) found", file=sys.stderr)
         return 1
     print(f"{path}: ok")
-    for line in startup_lines(config):
+    for line in startup_lines(config, verb="would listen on", environ={}):
         print(f"  {line.strip()}")
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv.pop(0) if argv and argv[0] in COMMANDS else "run"
-    if command == "check-config":
-        return check_config(argv)
-    if command == "demo":
-        from proxy.demo import run_demo  # noqa: PLC0415
-
-        return run_demo(argv)
-    args = _run_parser().parse_args(argv)
-    try:
-        config = config_from_args(args)
-    except ConfigError as exc:
-        for problem in exc.problems:
-            print(f"streamfence: config error: {problem}", file=sys.stderr)
-        return 2
-    return serve(config, args.log_level)

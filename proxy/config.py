@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 from urllib.parse import urlsplit
 
+from proxy import egress
 from proxy.dialects import DIALECTS
 
 ENV_PREFIX = "STREAMFENCE_"
 MAX_UPSTREAMS = 256  # STREAMFENCE_UPSTREAM_<index>_*: a typo'd huge index must not allocate
+_EXAMPLE_URL = "https://api.openai.com"
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token
 
 
@@ -34,7 +36,9 @@ class ServerConfig:
     port: int = 8787
     access_token: str = ""
     max_body_bytes: int = 32 * 1024 * 1024
-    shutdown_grace: float = 10.0
+    # Below the default stop timeouts of Docker (10 s) and Kubernetes (30 s) with uvicorn's
+    # margin on top (shutdown.UVICORN_MARGIN): 5 + 3 < 10, so `docker stop` never kills it.
+    shutdown_grace: float = 5.0
     # A client that keeps one write blocked this long (not reading) is dropped and its
     # upstream closed; 0 waits for ever. Flow control already bounds what is buffered.
     write_timeout: float = 60.0
@@ -46,6 +50,12 @@ class ServerConfig:
     http_transport: str = "fast"
     # All generation buffers of the process together (what followers read).
     join_buffer_total_bytes: int = 256 * 1024 * 1024
+    # The forward proxy to the upstreams: "" from HTTPS_PROXY/HTTP_PROXY/ALL_PROXY/NO_PROXY,
+    # "none" for direct connections, or an http:// URL (proxy/egress.py).
+    egress_proxy: str = ""
+    # CA certificates to verify upstreams with (a PEM file or a c_rehash'd directory); ""
+    # for SSL_CERT_FILE / SSL_CERT_DIR, else the system's.
+    ca_bundle: str = ""
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,15 @@ class RegistryConfig:
 
 
 @dataclass(frozen=True)
+class TracingConfig:
+    # OpenTelemetry traces (proxy/tracing.py, the `streamfence[otel]` extra). "auto": on
+    # when the standard OTEL_* variables ask for it; "on" / "off" decide regardless.
+    enabled: str = "auto"
+    # The OTLP/HTTP traces endpoint; "" leaves it to OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT.
+    endpoint: str = ""
+
+
+@dataclass(frozen=True)
 class UpstreamConfig:
     url: str = ""
     name: str = "default"
@@ -89,6 +108,7 @@ class UpstreamConfig:
     replay_window: float = 0.0  # seconds a finished stream stays replayable; 0: never
     replay_fingerprints: bool = False  # replay for fingerprint keys too, not only X-Turn-Id
     join_buffer_bytes: int = 8 * 1024 * 1024  # per generation; over it, nobody may follow
+    egress_proxy: str = ""  # "" as [server] egress_proxy, "none" direct, or an http:// URL
 
 
 @dataclass(frozen=True)
@@ -97,6 +117,7 @@ class Config:
     turns: TurnsConfig = field(default_factory=TurnsConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     upstream: tuple[UpstreamConfig, ...] = ()
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -104,6 +125,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "server.http_transport": ("httpx", "fast"),
     "registry.backend": ("memory", "redis"),
     "registry.on_unavailable": ("fail_open", "fail_closed"),
+    "tracing.enabled": ("auto", "on", "off"),
     "upstream.dialect": ("auto", *DIALECTS),
     "upstream.on_retry": ("supersede", "join", "adaptive"),
     "upstream.event_ids": ("auto", "always", "never"),
@@ -115,19 +137,45 @@ def load(
     *,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
+    flags: Mapping[str, str] | None = None,
 ) -> Config:
     """Build a Config: file, then `STREAMFENCE_*` environment, then `overrides` (CLI flags).
 
     `overrides` uses dotted key paths ("server.port"), plus "upstream.url" as a shorthand
-    for one upstream at prefix "/".
+    for one upstream at prefix "/". `flags` names the flag each override came from
+    ({"server.port": "--port"}): a problem with a value says where the user set it, the
+    environment variable or the flag, after its key path.
     """
     data: dict[str, Any] = {}
     if path is not None:
         data = _read_toml(path)
     env = os.environ if env is None else env
-    _apply(data, _from_env(env))
-    _apply(data, dict(overrides or {}))
-    return from_dict(data)
+    from_env, env_names = _from_env(env)
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    origin = {_problem_path(k): name for k, name in env_names.items()}
+    origin.update({_problem_path(k): flags[k] for k in given if flags and k in flags})
+    _apply(data, from_env)
+    _apply(data, given)
+    try:
+        return from_dict(data)
+    except ConfigError as exc:
+        raise ConfigError([_with_origin(p, origin) for p in exc.problems]) from None
+
+
+def _problem_path(dotted: str) -> str:
+    """The key path problems are reported with: upstream.0.url -> upstream[0].url."""
+    parts = dotted.split(".")
+    if parts[0] == "upstream":
+        if len(parts) == 2:  # the single-upstream shorthand sets the first one
+            parts = ["upstream", "0", parts[1]]
+        return f"upstream[{parts[1]}].{'.'.join(parts[2:])}"
+    return dotted
+
+
+def _with_origin(problem: str, origin: Mapping[str, str]) -> str:
+    key = problem.split(":", 1)[0]
+    where = origin.get(key)
+    return f"{problem} (from {where})" if where else problem
 
 
 def _read_toml(path: str) -> dict[str, Any]:
@@ -140,8 +188,10 @@ def _read_toml(path: str) -> dict[str, Any]:
         raise ConfigError([f"{path}: not valid TOML: {exc}"]) from exc
 
 
-def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+def _from_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The settings in `env`, by dotted key path, and the variable each came from."""
     out: dict[str, Any] = {}
+    names: dict[str, str] = {}
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX):
             continue
@@ -151,10 +201,14 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         section, rest = parts
         if section == "upstream":
             index, _, key = rest.partition("_")
-            out[f"upstream.{index}.{key}" if index.isdigit() else f"upstream.{rest}"] = value
-        elif section in ("server", "turns", "registry"):
-            out[f"{section}.{rest}"] = value
-    return out
+            dotted = f"upstream.{index}.{key}" if index.isdigit() else f"upstream.{rest}"
+        elif section in ("server", "turns", "registry", "tracing"):
+            dotted = f"{section}.{rest}"
+        else:
+            continue
+        out[dotted] = value
+        names[dotted] = name
+    return out, names
 
 
 def _apply(data: dict[str, Any], flat: Mapping[str, Any]) -> None:
@@ -192,6 +246,7 @@ def from_dict(data: Mapping[str, Any]) -> Config:
     server = _build(ServerConfig, data.get("server", {}), "server", problems)
     turns = _build(TurnsConfig, data.get("turns", {}), "turns", problems)
     registry = _build(RegistryConfig, data.get("registry", {}), "registry", problems)
+    tracing = _build(TracingConfig, data.get("tracing", {}), "tracing", problems)
     raw_upstreams = data.get("upstream", [])
     if not isinstance(raw_upstreams, list):
         problems.append("upstream: must be an array of tables ([[upstream]])")
@@ -200,7 +255,9 @@ def from_dict(data: Mapping[str, Any]) -> Config:
         _build(UpstreamConfig, raw, f"upstream[{i}]", problems)
         for i, raw in enumerate(raw_upstreams)
     )
-    config = Config(server=server, turns=turns, registry=registry, upstream=upstreams)
+    config = Config(
+        server=server, turns=turns, registry=registry, upstream=upstreams, tracing=tracing
+    )
     problems += _check(config)
     if problems:
         raise ConfigError(problems)
@@ -301,18 +358,30 @@ def _check(config: Config) -> list[str]:
             "registry.url: must be a redis://, rediss:// or unix:// URL "
             "(redis+cluster:// or rediss+cluster:// for a Redis Cluster)"
         )
+    traces = urlsplit(config.tracing.endpoint)
+    if config.tracing.endpoint and (traces.scheme not in ("http", "https") or not traces.netloc):
+        problems.append("tracing.endpoint: must be an http:// or https:// URL")
     if not config.turns.header.strip():
         problems.append("turns.header: must not be empty")
     elif not _HEADER_NAME.fullmatch(config.turns.header):
         # Any other name would never match a request header (or fail to encode at startup).
         problems.append(f"turns.header: must be an HTTP header name, not {config.turns.header!r}")
     if not config.upstream:
-        problems.append("upstream: at least one upstream is needed (--upstream URL)")
+        problems.append(
+            "upstream: at least one upstream is needed (required: --upstream URL, "
+            "STREAMFENCE_UPSTREAM_URL, or an [[upstream]] table with a url)"
+        )
+    ca = config.server.ca_bundle
+    if ca and not os.path.exists(ca):
+        problems.append(f"server.ca_bundle: no such file or directory: {ca!r}")
+    problems += egress.problems(config)
     seen: set[str] = set()
     for i, up in enumerate(config.upstream):
         where = f"upstream[{i}]"
         parts = urlsplit(up.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        if not up.url:
+            problems.append(f"{where}.url: required: the provider's base URL, e.g. {_EXAMPLE_URL}")
+        elif parts.scheme not in ("http", "https") or not parts.hostname:
             problems.append(f"{where}.url: must be an http:// or https:// URL, not {up.url!r}")
         if not up.prefix.startswith("/"):
             problems.append(f"{where}.prefix: must start with '/', not {up.prefix!r}")
@@ -336,4 +405,5 @@ def defaults_as_dict() -> dict[str, Any]:
         "turns": dataclasses.asdict(TurnsConfig()),
         "registry": dataclasses.asdict(RegistryConfig()),
         "upstream": dataclasses.asdict(UpstreamConfig()),
+        "tracing": dataclasses.asdict(TracingConfig()),
     }

@@ -8,13 +8,15 @@ streamfence (the first attempt is fenced, only the retry's tokens arrive).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import contextlib
 import json
+import os
 import socket
 import sys
+import textwrap
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -47,18 +49,48 @@ async def until_disconnect(receive: Any, work: Coroutine[Any, Any, None]) -> Non
         watcher.cancel()
 
 
+WIDTH = 80
+
+
+class PipeClosed(Exception):
+    """Whoever reads the demo's output has gone (`streamfence demo | head -3`)."""
+
+
+class Out:
+    """The demo's stdout. Once its reader has gone every write raises PipeClosed, whichever
+    task makes it (the provider's server included), so the demo stops instead of waiting on
+    a task that died."""
+
+    def __init__(self) -> None:
+        self.closed = asyncio.Event()
+
+    def __call__(self, text: str = "") -> None:
+        if self.closed.is_set():
+            raise PipeClosed
+        try:
+            print(text, flush=True)
+        except BrokenPipeError:
+            self.closed.set()
+            raise PipeClosed from None
+
+
 class Screen:
-    def __init__(self, color: bool) -> None:
+    def __init__(self, out: Out, color: bool) -> None:
         self.t0 = time.perf_counter()
+        self.out = out
         self.color = color
 
     def say(self, who: str, text: str, tone: str = "") -> None:
         codes = {"a1": "33", "a2": "32", "fence": "1;31", "note": "2"}
         ms = (time.perf_counter() - self.t0) * 1000
-        line = f"  [{ms:6.0f} ms] {who:<10} {text}"
-        if self.color and tone in codes:
-            line = f"\033[{codes[tone]}m{line}\033[0m"
-        print(line, flush=True)
+        head = f"  [{ms:5.0f} ms] {who:<9} "
+        # Long texts (the proxy's message) wrap under themselves: the demo fits 80 columns.
+        lines = textwrap.wrap(text, WIDTH - len(head)) or [""]
+        for i, part in enumerate(lines):
+            line = (head if i == 0 else " " * len(head)) + part
+            if self.color and tone in codes:
+                line = f"\033[{codes[tone]}m{line}\033[0m"
+            self.out(line)
 
 
 class Provider:
@@ -103,12 +135,22 @@ class Provider:
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
         except asyncio.CancelledError:
             self.closed.append((attempt, sent))
-            self.screen.say(
-                "provider",
-                f"attempt {attempt}: connection closed after {sent} tokens, generation stopped",
-                "fence",
-            )
+            with contextlib.suppress(PipeClosed):  # the demo is stopping anyway
+                self.screen.say(
+                    "provider",
+                    f"attempt {attempt}: connection closed after {sent} tokens, generation stopped",
+                    "fence",
+                )
             raise
+
+
+class _QuietServer(uvicorn.Server):
+    """Leaves the signals alone: Ctrl-C is the demo's to handle (it stops the whole demo),
+    not a reason for each scripted server to start a graceful shutdown of its own."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 @asynccontextmanager
@@ -116,7 +158,7 @@ async def _serve(app: Any) -> AsyncIterator[str]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # NODELAY
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(app, log_level="error", lifespan="auto", ws="none", http="httptools")
-    server = uvicorn.Server(config)
+    server = _QuietServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:  # noqa: ASYNC110 - uvicorn offers no "started" event to await
         await asyncio.sleep(0.005)
@@ -158,11 +200,20 @@ async def _agent(base: str, screen: Screen, pace: float) -> list[tuple[int, str]
 
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         first = asyncio.create_task(attempt(1, client))
-        await retry.wait()
-        await asyncio.sleep(pace * 4)  # the agent's stall timeout
-        screen.say("agent", "no token for a while: retrying the same request", "note")
-        await attempt(2, client)
-        await first
+        stalled = asyncio.create_task(retry.wait())
+        try:
+            await asyncio.wait({first, stalled}, return_when=asyncio.FIRST_COMPLETED)
+            if not stalled.done():  # attempt 1 ended (or failed) before its stall
+                await first
+                raise RuntimeError("the first attempt ended before the provider stalled")
+            await asyncio.sleep(pace * 4)  # the agent's stall timeout
+            screen.say("agent", "no token for a while: retrying the same request", "note")
+            await attempt(2, client)
+            await first
+        finally:  # whatever went wrong, no attempt outlives the demo's client
+            stalled.cancel()
+            first.cancel()
+            await asyncio.gather(first, stalled, return_exceptions=True)
     return transcript
 
 
@@ -171,19 +222,22 @@ def _after_retry(transcript: list[tuple[int, str]]) -> str:
     return " ".join(f"{tok.strip()}({n})" for n, tok in tokens)
 
 
-async def demo(pace: float, color: bool) -> int:
-    print("streamfence demo: a scripted provider and the proxy on 127.0.0.1 (no network, no key)")
-    print("An agent streams an answer; the provider stalls after 4 tokens; the agent retries while")
-    print("the first stream is still alive. Tokens after the retry, with their attempt number:\n")
-    print("1) Straight to the provider:")
-    screen = Screen(color)
+async def demo(pace: float, color: bool, out: Out) -> int:
+    out("streamfence demo: a scripted provider and the proxy on 127.0.0.1 (no network,")
+    out("no key). An agent streams an answer; the provider stalls after 4 tokens; the")
+    out("agent retries while the first stream is still alive. Tokens after the retry,")
+    out("with their attempt number:")
+    out()
+    out("1) Straight to the provider:")
+    screen = Screen(out, color)
     async with _serve(Provider(pace, screen)) as provider_url:
         direct = await _agent(provider_url, screen, pace)
-    print(f"\n   after the retry: {_after_retry(direct)}")
-    print("   -> two answers interleaved token by token, and the provider generated both.\n")
-
-    print("2) Through streamfence (the agent's base_url points at the proxy):")
-    screen = Screen(color)
+    out()
+    _tokens(out, direct)
+    out("   -> two answers interleaved token by token, and the provider generated both.")
+    out()
+    out("2) Through streamfence (the agent's base_url points at the proxy):")
+    screen = Screen(out, color)
     provider = Provider(pace, screen)
     async with _serve(provider) as provider_url:
         # The agent retries after 4 paces of silence; the proxy calls a generation stalled
@@ -193,18 +247,63 @@ async def demo(pace: float, color: bool) -> int:
         async with _serve(app) as proxy_url:
             fenced = await _agent(proxy_url, screen, pace)
     ok = [n for n, _ in fenced[STALL_AFTER:]] == [2] * len(ANSWER) and provider.closed != []
-    print(f"\n   after the retry: {_after_retry(fenced)}")
-    print(
-        "   -> attempt 1 was fenced the moment attempt 2 arrived: its upstream connection closed,"
-    )
-    print("      its client told plainly not to retry. Only attempt 2's tokens were delivered.")
-    print(f"\n{'OK' if ok else 'UNEXPECTED'}: one writer per turn.")
+    out()
+    _tokens(out, fenced)
+    out("   -> attempt 1 was fenced the moment attempt 2 arrived: its upstream")
+    out("      connection closed, its client told plainly not to retry. Only attempt")
+    out("      2's tokens were delivered.")
+    out()
+    out(f"{'OK' if ok else 'UNEXPECTED'}: one writer per turn.")
     return 0 if ok else 1
 
 
-def run_demo(argv: Sequence[str] = ()) -> int:
-    parser = argparse.ArgumentParser(prog="streamfence demo", description=__doc__)
-    parser.add_argument("--pace", type=float, default=0.12, help="seconds between tokens")
-    parser.add_argument("--no-color", action="store_true")
-    args = parser.parse_args(list(argv))
-    return asyncio.run(demo(args.pace, sys.stdout.isatty() and not args.no_color))
+def _tokens(out: Out, transcript: list[tuple[int, str]]) -> None:
+    text = "after the retry: " + _after_retry(transcript)
+    for line in textwrap.wrap(text, WIDTH - 3, subsequent_indent="  "):
+        out("   " + line)
+
+
+def use_color(no_color: bool) -> bool:
+    """Colours only on a terminal, and never with --no-color or NO_COLOR set
+    (https://no-color.org: any non-empty value)."""
+    return sys.stdout.isatty() and not no_color and not os.environ.get("NO_COLOR")
+
+
+async def _main(pace: float, color: bool) -> int:
+    out = Out()
+    task = asyncio.create_task(demo(pace, color, out))
+    closed = asyncio.create_task(out.closed.wait())
+    try:
+        await asyncio.wait({task, closed}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        # The reader gone (the write that noticed may have been another task's), or Ctrl-C
+        # cancelling this task: stop the demo, and so its servers, before the loop closes.
+        closed.cancel()
+        task.cancel()
+        (result,) = await asyncio.gather(task, return_exceptions=True)
+    if isinstance(result, int):
+        return result
+    if isinstance(result, PipeClosed | asyncio.CancelledError):
+        return 0
+    raise result
+
+
+def run_demo(pace: float = 0.12, *, no_color: bool = False) -> int:
+    try:
+        code = asyncio.run(_main(pace, use_color(no_color)))
+    except KeyboardInterrupt:
+        code = 130  # 128 + SIGINT, as a shell reports it; no traceback
+    if code == 0 and not sys.stdout.closed:
+        _quiet_stdout_if_gone()
+    return code
+
+
+def _quiet_stdout_if_gone() -> None:
+    # The interpreter flushes stdout at exit; with its reader gone that flush would print
+    # "Exception ignored ... BrokenPipeError". Pointing stdout at /dev/null first is the
+    # recipe from Python's signal docs ("Note on SIGPIPE").
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())

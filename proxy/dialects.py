@@ -8,7 +8,6 @@ official SDKs raise on. Pure and I/O-free.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any, Final
 
 from proxy.errors import StreamfenceError
@@ -47,9 +46,6 @@ _TERMINATORS: Final = {
     ANTHROPIC: (b"event: message_stop", b'data: {"type":"message_stop"'),
 }
 
-# Chunk fields copied from the last relayed chunk, so the frame looks like its stream.
-_CHAT_FIELDS: Final = ("id", "object", "created", "model", "system_fingerprint")
-
 
 def detect(path: str, configured: str = "auto") -> str:
     """The dialect of a request: the configured one, else guessed from the path."""
@@ -87,33 +83,18 @@ def _last_json(last_event: bytes | None) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {}
 
 
-def _plain(value: Any) -> bool:
-    # Only scalars are copied into a frame: a nested value may be too deep to encode again,
-    # and a lone surrogate escape ("\ud800") is valid JSON but not encodable as UTF-8.
-    if isinstance(value, str):
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            return False
-        return True
-    if isinstance(value, float):
-        return math.isfinite(value)  # NaN is not JSON
-    return value is None or isinstance(value, int)
-
-
 def stream_error_frame(dialect: str, error: StreamfenceError, last_event: bytes | None) -> bytes:
     """The final event of a stream that ends with `error` (superseded, upstream failure).
 
     `last_event` is the raw last event the client received; parsed only here, never on
-    the hot path, to make the frame fit the stream (chunk id, sequence number).
+    the hot path, to make the frame fit the stream (the Responses sequence number).
     """
     code, message = error.code, error.message
     if dialect == OPENAI_CHAT:
-        last = _last_json(last_event)
-        chunk = {k: last[k] for k in _CHAT_FIELDS if k in last and _plain(last[k])}
-        chunk.setdefault("object", "chat.completion.chunk")
-        err: dict[str, Any] = {"type": code, "code": code, "message": message}
-        return encode_event(_dumps({**chunk, "choices": [], "error": err}))
+        # The error alone: with `choices` or chunk fields beside it, the Vercel AI SDK's
+        # schema reads the event as an empty delta and ends the stream silently.
+        err = {"type": code, "code": code, "message": message}
+        return encode_event(_dumps({"error": err}))
     if dialect == OPENAI_RESPONSES:
         seq = _last_json(last_event).get("sequence_number")
         frame: dict[str, Any] = {
@@ -129,6 +110,10 @@ def stream_error_frame(dialect: str, error: StreamfenceError, last_event: bytes 
         return encode_event(
             _dumps({"type": "error", "error": {"type": code, "message": message}}), event="error"
         )
+    if dialect == GEMINI:
+        # No `event:` line: google-genai fails to parse one ("Failed to parse ... event:")
+        # and @google/genai drops a named event silently; both raise on a data-only error.
+        return encode_event(_dumps(_google_error(error)))
     return encode_event(_dumps(_google_error(error)), event="error")
 
 

@@ -100,6 +100,12 @@ class UpstreamError(StreamfenceError):
     retryable = True
     kind = "protocol"  # a metrics label: which fault it was
 
+    def __init__(self, message: str, cause: str = "") -> None:
+        super().__init__(message)
+        # For the request's log line, not the client: what failed and where
+        # ("127.0.0.1:8080: connection refused"), never a credential.
+        self.cause = cause
+
 
 class UpstreamConnectError(UpstreamError):
     code = "upstream_unreachable"

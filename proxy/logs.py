@@ -1,17 +1,32 @@
-"""The one log line per finished request, and the record it is made from.
+"""The one log line per finished request, the record it is made from, and the process's
+log format.
 
 Never a credential or a body: the record has no field that could hold one. Turn keys are
 already hashes; only their first 16 hex digits are shown.
+
+`configure(level, fmt)` routes every logger of the process (streamfence's, uvicorn's error and
+access loggers, asyncio's, anything else through the root) to one stderr handler. In "json"
+mode every line is one JSON object with `ts` (RFC 3339, UTC), `level`, `logger` and `msg`;
+request and supersede lines add their fields. In "text" mode lines stay for humans.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
+import threading
 import time
+import traceback
 from dataclasses import dataclass, field, fields
+from types import TracebackType
+from typing import Any
 
 logger = logging.getLogger("streamfence")
+# Marks a record whose message is already a whole line in the configured format (the
+# request and supersede lines): the formatters pass it through. One shared dict, so the
+# hot path allocates nothing for it.
+_WHOLE_LINE = {"streamfence_line": True}
 
 
 @dataclass(slots=True)
@@ -24,9 +39,10 @@ class Record:
     turn: str = ""  # short hashed turn key, "" when the request has none
     attempt: int = 0
     status: int = 0
-    outcome: str = "pending"  # completed | superseded | client_gone | upstream_error | rejected
-    # | shutdown
+    # completed | superseded | client_gone | upstream_error | rejected | shutdown
+    outcome: str = "pending"
     error: str = ""  # an errors.* code when the request failed
+    cause: str = ""  # an upstream failure's cause and address (errors.UpstreamError.cause)
     streaming: bool = False
     source: str = "upstream"  # upstream | beside | followed | resumed | replayed (proxy/follow.py)
     bytes_out: int = 0
@@ -39,6 +55,13 @@ class Record:
     finished_at: float | None = None
     superseded_by: int | None = None
     fence_latency: float | None = None  # newer claim -> old upstream closed, seconds
+    trace: Any = None  # the request's OpenTelemetry span while tracing is on (proxy/tracing.py)
+
+    @property
+    def fenced_generation(self) -> bool:
+        """This record is the supersede of a generation: its first client's (a follower's
+        is the same supersede again)."""
+        return self.outcome == "superseded" and self.source == "upstream"
 
     @property
     def duration(self) -> float:
@@ -60,7 +83,9 @@ class Record:
 
 # The raw clock readings are logged as the durations derived from them.
 _CLOCKS = {"started", "forwarded_at", "upstream_headers_at", "first_byte_at", "finished_at"}
-_LOGGED = tuple(f.name for f in fields(Record) if f.name not in _CLOCKS | {"fence_latency"})
+_LOGGED = tuple(
+    f.name for f in fields(Record) if f.name not in _CLOCKS | {"fence_latency", "trace"}
+)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -75,19 +100,22 @@ def line(record: Record, fmt: str = "json") -> str:
         duration_ms=_ms(record.duration),
         fence_latency_ms=_ms(record.fence_latency),
     )
-    stamped = {"ts": round(time.time(), 3), "msg": "request", **data}
+    return _render("request", data, fmt)
+
+
+def rfc3339(ts: float) -> str:
+    """UTC, milliseconds: 2026-12-01T08:10:30.123Z."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+
+
+def _render(msg: str, data: dict[str, object], fmt: str) -> str:
+    stamp = rfc3339(time.time())
     if fmt == "text":
-        return _text(stamped)
-    return json.dumps(stamped)
-
-
-def _text(data: dict[str, object]) -> str:
-    # For humans: an ISO time first, empty fields left out, values with spaces quoted.
-    ts = data.pop("ts")
-    assert isinstance(ts, float)
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
-    shown = [f"{k}={_quote(v)}" for k, v in data.items() if v not in (None, "", False)]
-    return " ".join([stamp, *shown])
+        # For humans: the time first, empty fields left out, values with spaces quoted.
+        shown = [f"{k}={_quote(v)}" for k, v in data.items() if v not in (None, "", False)]
+        return " ".join([stamp, f"msg={msg}", *shown])
+    head: dict[str, object] = {"ts": stamp, "level": "info", "logger": logger.name, "msg": msg}
+    return json.dumps(head | data)
 
 
 def _quote(value: object) -> str:
@@ -97,14 +125,12 @@ def _quote(value: object) -> str:
 
 def log_request(record: Record, fmt: str = "json") -> None:
     if logger.isEnabledFor(logging.INFO):
-        logger.info(line(record, fmt))
+        logger.info(line(record, fmt), extra=_WHOLE_LINE)
 
 
 def supersede_line(record: Record, fmt: str = "json") -> str:
     """Both attempts of a supersede, and how long the fence took to close the old one."""
     data: dict[str, object] = {
-        "ts": round(time.time(), 3),
-        "msg": "superseded",
         "turn": record.turn,
         "attempt": record.attempt,
         "by_attempt": record.superseded_by,
@@ -112,11 +138,95 @@ def supersede_line(record: Record, fmt: str = "json") -> str:
         "request_id": record.request_id,
         "fence_latency_ms": _ms(record.fence_latency),
     }
-    if fmt == "text":
-        return _text(data)
-    return json.dumps(data)
+    return _render("superseded", data, fmt)
 
 
 def log_supersede(record: Record, fmt: str = "json") -> None:
     if logger.isEnabledFor(logging.INFO):
-        logger.info(supersede_line(record, fmt))
+        logger.info(supersede_line(record, fmt), extra=_WHOLE_LINE)
+
+
+# --- the process's log format ------------------------------------------------------------
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record, whoever logged it."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if getattr(record, "streamfence_line", False):
+            return record.getMessage()
+        data: dict[str, object] = {
+            "ts": rfc3339(record.created),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            exc_type, exc, tb = record.exc_info
+            data["error"] = f"{getattr(exc_type, '__name__', 'Exception')}: {exc}"
+            data["traceback"] = "".join(traceback.format_exception(exc_type, exc, tb))
+        elif record.stack_info:
+            data["traceback"] = record.stack_info
+        return json.dumps(data, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    """The message alone for information (request lines carry their own time), the level
+    in front of warnings and errors; tracebacks as Python prints them."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if getattr(record, "streamfence_line", False):
+            return record.getMessage()
+        text = record.getMessage()
+        if record.levelno >= logging.WARNING:
+            text = f"{record.levelname}: {text}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return text
+
+
+def _log_uncaught(
+    exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+) -> None:
+    if issubclass(exc_type, KeyboardInterrupt):
+        sys.__excepthook__(exc_type, exc, tb)
+        return
+    logger.critical("uncaught exception", exc_info=(exc_type, exc, tb))
+
+
+# uvicorn's own loggers: "uvicorn.error" (startup, protocol errors, exceptions in the app)
+# and "uvicorn.access" (off by default: the request line replaces it).
+UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi")
+
+
+def configure(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)  # third-party libraries: their warnings and errors only
+    logger.handlers.clear()
+    logger.setLevel(level.upper())
+    logger.propagate = True
+    # The startup lines say where it listens: shown whatever the level, as they always were.
+    logging.getLogger("streamfence.startup").setLevel(logging.INFO)
+    # uvicorn's information lines repeat the startup lines: only its problems, unless debug.
+    uvicorn_level = logging.DEBUG if level.lower() == "debug" else logging.WARNING
+    for name in UVICORN_LOGGERS:
+        log = logging.getLogger(name)
+        log.handlers.clear()
+        log.propagate = True
+        log.setLevel(uvicorn_level)
+    # Python's warnings and uncaught exceptions (main thread or any other) as log records
+    # too, so that in JSON mode not even a traceback breaks the one-object-per-line rule.
+    logging.captureWarnings(True)
+    sys.excepthook = _log_uncaught
+    threading.excepthook = lambda args: _log_uncaught(
+        args.exc_type, args.exc_value or args.exc_type(), args.exc_traceback
+    )
+    # One log line per request is on the hot path: skip what no format shows, the
+    # caller's frame, thread and process (the logging HOWTO's "Optimization" section).
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False

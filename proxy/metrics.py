@@ -3,6 +3,7 @@ dialects, outcomes and error kinds only: never a credential, a turn id or a body
 
     streamfence_requests_total{upstream,dialect,outcome}   finished requests; outcome is
         completed | superseded | client_gone | upstream_error | rejected | shutdown
+        (shutdown: ended by the proxy's own shutdown after `shutdown_grace`)
     streamfence_streams_in_flight                          requests being served now
     streamfence_supersedes_total{upstream}                 attempts fenced by a newer one
     streamfence_events_dropped_total{upstream}             events the fence kept back
@@ -18,14 +19,33 @@ dialects, outcomes and error kinds only: never a credential, a turn id or a body
     streamfence_events_saved_total{upstream}               events followers got from a buffer
     streamfence_follows_refused_total{upstream,reason}     identical requests that could not
         follow and started a generation (reason: buffer_over_cap)
+    streamfence_build_info{version}                        always 1
+    process_*, python_*                                    prometheus_client's process, platform
+        and garbage-collector collectors, as on any Python exporter
 
 Each app has its own CollectorRegistry, so several apps (tests, workers) never collide.
+`/_streamfence/metrics` takes the access token as `x-streamfence-token` or as
+`Authorization: Bearer` (what Prometheus' `authorization` scrape setting sends).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import hmac
+from collections.abc import Mapping
 
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+
+from proxy import __version__
 from proxy.logs import Record
 
 _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -34,6 +54,12 @@ _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        Info("streamfence_build", "streamfence's version", registry=r).info(
+            {"version": __version__}
+        )
         self.requests = Counter(
             "streamfence_requests",
             "Finished requests",
@@ -114,7 +140,7 @@ class Metrics:
             self.events.labels(up).inc(record.events)
         if record.dropped:
             self.dropped.labels(up).inc(record.dropped)
-        if record.outcome == "superseded":
+        if record.fenced_generation:
             self.supersedes.labels(up).inc()
         if record.fence_latency is not None:
             self.fence_latency.observe(record.fence_latency)
@@ -129,3 +155,15 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def scrape_authorized(headers: Mapping[str, str], token: bytes) -> bool:
+    """The metrics endpoint's check: the proxy's own token header, or a bearer token. Only
+    here: on the proxy path `Authorization` is the caller's upstream credential."""
+    if not token:
+        return True
+    given = headers.get("x-streamfence-token", "")
+    if not given:
+        scheme, _, credential = headers.get("authorization", "").partition(" ")
+        given = credential.strip() if scheme.lower() == "bearer" else ""
+    return hmac.compare_digest(given.encode(), token)

@@ -129,7 +129,12 @@ class Subscriber:
         self._fence: anyio.CancelScope | None = None
         self._race: anyio.CancelScope | None = None
         self._guard: _WriteGuard | None = None
-        generation.attach(self, exchange.cursor)  # now: no await before the race owns it
+        self._send: Send | None = None
+        self.cursor = exchange.cursor  # the number of the last event written
+        self.parked = False  # waiting in the generation, caught up (it may write for us)
+        self._inline_done = asyncio.Event()  # no write by the generation's reader under way
+        self._inline_done.set()
+        generation.attach(self)  # now: no await before the race owns it
 
     @property
     def lease(self) -> Any:
@@ -159,7 +164,7 @@ class Subscriber:
             async with anyio.create_task_group() as tg:
                 self._race = tg.cancel_scope
                 tg.start_soon(self._watch_disconnect, receive)
-                send = self._bounded(send)
+                send = self._send = self._bounded(send)
                 await self._run(send)
                 if self.headers_sent:
                     # Inside the race: a client that never takes this last write is dropped
@@ -216,6 +221,7 @@ class Subscriber:
             self._note_fence_latency()
             await self._end_with_error(send, self._superseded_error())
         elif self.error is not None and not self.delivered:
+            await self._inline_done.wait()  # one writer at a time, even when aborted
             await self._end_with_error(send, self.error)
 
     async def _serve(self, send: Send) -> None:
@@ -244,27 +250,50 @@ class Subscriber:
 
     async def _copy(self, send: Send, *, fenced: bool) -> bool:
         """The buffer from this client's cursor, then live; False when the fence dropped it."""
-        gen, cursor = self.gen, self.ex.cursor
+        gen = self.gen
         while True:
-            events = gen.since(cursor)
+            events = gen.since(self.cursor)
             if not events:
                 if gen.done:
                     self.delivered = self.delivered or gen.completed
                     return True
-                await gen.wait(cursor)
+                self.parked = True
+                try:
+                    await gen.wait(self)
+                finally:
+                    self.parked = False
                 continue
-            if fenced and gen.fenced:
+            if fenced and gen.fenced_at is not None:
                 # The fence check, right before the write and with no await between them:
                 # a subscriber woken by the reader may run after the newer claim.
                 self.record.dropped += len(events)
                 return False
             await self._write(send, events)
-            cursor += len(events)
-            gen.progress(self, cursor)
+            self.cursor += len(events)
+            gen.progress()
+
+    async def write_inline(self, events: list[bytes]) -> None:
+        """The generation's reader writes the events this parked client is waiting for, with
+        the same fence check. Whatever goes wrong is left for this client's own task to see:
+        it is still parked, and the generation wakes it at its end."""
+        gen = self.gen
+        if gen.is_sse and gen.fenced_at is not None:
+            self.record.dropped += len(events)
+            return
+        assert self._send is not None
+        self._inline_done.clear()
+        try:
+            await self._write(self._send, events)
+        finally:
+            self._inline_done.set()
+        self.cursor += len(events)
+        gen.progress()
 
     async def _start(self, send: Send, *, reframed: bool) -> None:
         headers = response_headers(self.gen.raw_headers, reframed=reframed)
-        headers += self._own_headers()
+        upstream_names = {name for name, _ in headers}
+        # The upstream's own request id (OpenAI's, Anthropic's) is the one a caller reports.
+        headers += [h for h in self._own_headers() if h[0] not in upstream_names]
         if reframed:
             headers += SSE_HEADERS
         await send({"type": "http.response.start", "status": self.gen.status, "headers": headers})
@@ -321,7 +350,9 @@ class Subscriber:
         if record.outcome == "pending":
             record.outcome = self._outcome()
         record.finished_at = time.perf_counter()
-        self.on_finish(record, None if self.cause else self.error)
+        # The error once per upstream failure: its generation's first client reports it.
+        own = self.cause is None and self.ex.source in ("upstream", "beside")
+        self.on_finish(record, self.error if own else None)
 
     def _outcome(self) -> str:
         if self.cause == WRITE_TIMEOUT:  # even after the last event: the client took nothing

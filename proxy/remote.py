@@ -102,7 +102,7 @@ class RemoteGeneration(Generation):
             self.closed_at = time.perf_counter()
             self.done = True
             self.headers_ready.set()
-            self._changed.set()
+            self._wake()
             self.finished.set()
             self._unretain()
             if superseded:  # last: it cancels this task; then the subscribers write frames

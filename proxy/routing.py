@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from proxy import codings
 from proxy.config import UpstreamConfig
 from proxy.errors import BadRequest, NoRoute
 
@@ -31,7 +32,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 # Set by the HTTP client for the upstream hop itself.
-_REQUEST_OWN = frozenset({b"host", b"content-length"})
+_REQUEST_OWN = frozenset({b"host", b"content-length", b"expect"})
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -80,24 +81,50 @@ def build_url(base: str, path: str, query: str) -> str:
 def _connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
     tokens: set[bytes] = set()
     for name, value in headers:
-        if name == b"connection":
+        if name.lower() == b"connection":
             tokens.update(t.strip().lower() for t in value.split(b","))
     return tokens
 
 
 def request_headers(headers: Headers, drop: Iterable[bytes] = ()) -> Headers:
-    """The client's headers as they go upstream (names are lower-case, as ASGI gives them)."""
-    dropped = HOP_BY_HOP | _REQUEST_OWN | _connection_tokens(headers) | set(drop)
-    return [(n, v) for n, v in headers if n not in dropped]
+    """The client's headers as they go upstream.
+
+    ASGI servers give lower-case names, but nothing here relies on it. `Expect` is dropped:
+    the proxy's server already answered `100-continue` when the body was read, and the
+    body goes upstream whole. `Accept-Encoding` offers only what the proxy can decode, in
+    case the answer is an event stream it has to read (codings.offer)."""
+    dropped = HOP_BY_HOP | _REQUEST_OWN | _connection_tokens(headers) | {d.lower() for d in drop}
+    out: Headers = []
+    for name, value in headers:
+        lname = name.lower()
+        if lname in dropped:
+            continue
+        if lname == b"accept-encoding":
+            value = codings.offer(value)
+        out.append((name, value))
+    return out
+
+
+# The relay sets its own on an event stream (relay.SSE_HEADERS): one of each reaches the client.
+_REFRAMED = frozenset(
+    {b"content-length", b"content-encoding", b"cache-control", b"x-accel-buffering"}
+)
 
 
 def response_headers(headers: Headers, *, reframed: bool) -> Headers:
-    """The upstream's headers as they go back to the client.
+    """The upstream's headers as they go back to the client, names lower-cased (as ASGI
+    wants them; Go, Node and nginx capitalise).
 
-    When the proxy re-frames the body (SSE: it may end the stream with its own frame), the
-    upstream's length and encoding no longer describe what the client gets.
+    When the proxy re-frames the body (SSE: it decodes it and may end the stream with its
+    own frame), the upstream's length and encoding no longer describe what the client gets,
+    and the relay's own cache-control and x-accel-buffering replace the upstream's.
     """
     dropped = HOP_BY_HOP | _connection_tokens(headers)
     if reframed:
-        dropped = dropped | {b"content-length", b"content-encoding"}
-    return [(n, v) for n, v in headers if n not in dropped]
+        dropped = dropped | _REFRAMED
+    out: Headers = []
+    for name, value in headers:
+        lname = name.lower()
+        if lname not in dropped:
+            out.append((lname, value))
+    return out

@@ -2,16 +2,20 @@
 
 Why not httpx's own (httpcore + h11): profiled in the benchmark (docs/benchmarks.md), h11,
 httpcore and anyio cost about 110 us of CPU per relayed event and over a millisecond to
-the first token. Here a connection is an asyncio.Protocol: httptools (C) parses the
-response, the body of one socket read is handed to the reader as one chunk, and a read
-costs one future at most. httpx stays the client API; this is only its transport.
+the first token. Here a connection is an asyncio.Protocol that httptools (C) parses
+responses for (proxy/connection.py). httpx stays the client API; this is only its
+transport, and the pool of idle connections.
 
 What it promises, because the relay depends on it:
 - closing a response that is not finished closes its connection at once, never drains;
 - cancellation while waiting for headers (or anywhere) closes the connection;
 - a finished keep-alive response returns its connection to a bounded, expiring idle pool;
 - chunked, content-length and read-until-close bodies; TLS for https (default context);
-- failures raise httpx's exceptions, so upstream.translate_errors maps them as before.
+- failures raise httpx's exceptions, so upstream.translate_errors maps them as before;
+- a request on a reused connection that fails before any response byte (the server closed
+  it as it was reused) is sent once more on a fresh one; on a fresh one it is never retried;
+- idle expiry follows the server's `Keep-Alive: timeout=N`, less a margin, capped;
+- an egress proxy per upstream origin (proxy/egress.py, proxy/tunnel.py).
 """
 
 from __future__ import annotations
@@ -20,283 +24,17 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator
-from typing import Any, cast
+from typing import Any
 
-import httptools
 import httpx
 
-HIGH_WATER = 256 * 1024  # buffered, unread body bytes before reading from the socket pauses
-Key = tuple[str, str, int]
-
-
-class _Conn(asyncio.Protocol):
-    """One upstream connection, one request at a time."""
-
-    def __init__(self, pool: Transport, key: Key) -> None:
-        self.pool = pool
-        self.key = key
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.closed = False
-        self.idle_since = 0.0
-        self.reused = False
-        self._write_ready: asyncio.Future[None] | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._deadline = 0.0
-        self._watched: asyncio.Future[None] | None = None
-        self._reset(head=False)
-
-    def _reset(self, head: bool) -> None:
-        self.head = head
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.status = 0
-        self.framed = False  # content-length or chunked: EOF before the end is an error
-        self.interim = False
-        self.started: asyncio.Future[None] | None = None
-        self.buffer: list[bytes] = []
-        self.buffered = 0
-        self.pieces: list[bytes] = []
-        self.complete = False
-        self.keep_alive = False
-        self.error: Exception | None = None
-        self.waiter: asyncio.Future[None] | None = None
-        self.reading_paused = False
-
-    # -- asyncio.Protocol ------------------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-
-    def data_received(self, data: bytes) -> None:
-        if self.started is None:  # idle: a server may not speak unasked
-            self.close()
-            return
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fail(httpx.RemoteProtocolError("upstream switched protocols"))
-            return
-        except httptools.HttpParserError as exc:
-            self._fail(httpx.RemoteProtocolError(f"malformed HTTP response: {exc}"))
-            return
-        if self.pieces:
-            pieces = self.pieces
-            self.buffer.append(pieces[0] if len(pieces) == 1 else b"".join(pieces))
-            self.pieces = []
-            self.buffered += len(self.buffer[-1])
-            if self.buffered > HIGH_WATER and not self.reading_paused and self.transport:
-                self.reading_paused = True
-                self.transport.pause_reading()
-            self._wake()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self._timer is not None:
-            # close() will not run now (closed is set): a timer left armed would hold this
-            # connection, its stored error and that error's frames (a whole request) until
-            # the idle timeout, minutes later. Found by the soak test.
-            self._timer.cancel()
-            self._timer = None
-        self.pool._forget(self)
-        if self._write_ready is not None and not self._write_ready.done():
-            self._write_ready.set_exception(httpx.WriteError("upstream closed the connection"))
-        if self.started is None or self.complete or self.error is not None:
-            return
-        if not self.started.done():
-            error: Exception = httpx.RemoteProtocolError(
-                "upstream closed the connection without sending a response"
-            )
-            if exc is not None:
-                error = httpx.ReadError(f"upstream connection failed: {exc!r}")
-            self._fail(error)
-        elif not self.framed and exc is None:
-            self.complete = True  # a body delimited by the end of the connection
-            self._wake()
-        else:
-            what = f": {exc!r}" if exc is not None else ""
-            self._fail(httpx.RemoteProtocolError(f"upstream body ended early{what}"))
-
-    def pause_writing(self) -> None:
-        self._write_ready = asyncio.get_running_loop().create_future()
-
-    def resume_writing(self) -> None:
-        if self._write_ready is not None and not self._write_ready.done():
-            self._write_ready.set_result(None)
-        self._write_ready = None
-
-    # -- httptools callbacks ---------------------------------------------------------
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        status = self.parser.get_status_code()
-        if 100 <= status < 200:  # 100 Continue and friends: the real response follows
-            self.interim = True
-            self.headers = []
-            return
-        self.status = status
-        for name, value in self.headers:
-            lname = name.lower()
-            if lname == b"content-length" or (
-                lname == b"transfer-encoding" and b"chunked" in value.lower()
-            ):
-                self.framed = True
-        if self.head:
-            # httptools cannot be told a HEAD response has no body: end it here and
-            # never reuse the connection.
-            self.complete = True
-        assert self.started is not None
-        if not self.started.done():
-            self.started.set_result(None)
-
-    def on_body(self, body: bytes) -> None:
-        if not self.head:
-            self.pieces.append(body)
-
-    def on_message_complete(self) -> None:
-        if self.interim:
-            self.interim = False
-            return
-        self.complete = True
-        self.keep_alive = not self.head and self.parser.should_keep_alive()
-        self._wake()
-
-    # -- for the transport and the body stream --------------------------------------
-    def _fail(self, error: Exception) -> None:
-        self.error = error
-        if self.started is not None and not self.started.done():
-            self.started.set_exception(error)
-            self.started.exception()  # retrieved: the caller may be gone already
-        self._wake()
-        self.close()
-
-    def _wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def send(self, request: httpx.Request, timeouts: dict[str, Any]) -> None:
-        assert self.transport is not None
-        self._reset(head=request.method == "HEAD")
-        self.started = asyncio.get_running_loop().create_future()
-        head = [b"%s %s HTTP/1.1" % (request.method.encode(), request.url.raw_path)]
-        head += [b"%s: %s" % pair for pair in request.headers.raw]
-        chunked = request.headers.get("transfer-encoding", "").lower() == "chunked"
-        data = b"\r\n".join(head) + b"\r\n\r\n"
-        async for part in cast(httpx.AsyncByteStream, request.stream):
-            if chunked and part:
-                part = b"%x\r\n%s\r\n" % (len(part), part)
-            data += part
-            if len(data) > HIGH_WATER:
-                await self._write(data, timeouts.get("write"))
-                data = b""
-        if chunked:
-            data += b"0\r\n\r\n"
-        await self._write(data, timeouts.get("write"))
-
-    async def _write(self, data: bytes, seconds: float | None) -> None:
-        if self.closed or self.transport is None:
-            raise httpx.WriteError("upstream closed the connection")
-        self.transport.write(data)
-        if self._write_ready is not None:
-            try:
-                async with asyncio.timeout(seconds):
-                    await asyncio.shield(self._write_ready)
-            except TimeoutError:
-                raise httpx.WriteTimeout("upstream did not accept the request in time") from None
-
-    async def wait(self, future: asyncio.Future[None], seconds: float | None) -> None:
-        if future.done():
-            return future.result()
-        if seconds is not None:
-            # One lazily re-armed timer per connection, not one per wait: a relayed event
-            # is one wait, and a timer set and cancelled per event was ~5% of its cost.
-            loop = asyncio.get_running_loop()
-            self._deadline = loop.time() + seconds
-            if self._timer is None or self._timer.when() > self._deadline:
-                if self._timer is not None:
-                    self._timer.cancel()
-                self._timer = loop.call_at(self._deadline, self._check_deadline)
-        self._watched = future
-        try:
-            await future
-        finally:
-            self._watched = None
-
-    def _check_deadline(self) -> None:
-        self._timer = None
-        future = self._watched
-        if future is None or future.done() or self.closed:
-            return  # nobody is waiting: the next wait arms a new timer
-        loop = asyncio.get_running_loop()
-        if loop.time() >= self._deadline:
-            future.set_exception(httpx.ReadTimeout("upstream sent nothing in time"))
-        else:
-            self._timer = loop.call_at(self._deadline, self._check_deadline)
-
-    def take(self) -> bytes | None:
-        """The buffered body, or None when the caller must wait."""
-        if self.buffer:
-            buffer = self.buffer
-            chunk = buffer[0] if len(buffer) == 1 else b"".join(buffer)
-            self.buffer = []
-            self.buffered = 0
-            if self.reading_paused and self.transport is not None:
-                self.reading_paused = False
-                self.transport.resume_reading()
-            return chunk
-        if self.error is not None:
-            raise self.error
-        if self.complete:
-            return b""
-        return None
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-            if self.transport is not None:
-                self.transport.close()
-            self.pool._forget(self)
-
-
-class _Body(httpx.AsyncByteStream):
-    """A response body. Closing it before its end closes the connection, at once."""
-
-    def __init__(self, conn: _Conn, read_timeout: float | None) -> None:
-        self.conn = conn
-        self.read_timeout = read_timeout
-        self.done = False
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        conn = self.conn
-        loop = asyncio.get_running_loop()
-        while True:
-            chunk = conn.take()
-            if chunk is None:
-                conn.waiter = loop.create_future()
-                try:
-                    await conn.wait(conn.waiter, self.read_timeout)
-                except BaseException:
-                    conn.close()
-                    raise
-                finally:
-                    conn.waiter = None
-                continue
-            if not chunk:
-                return
-            yield chunk
-
-    async def aclose(self) -> None:
-        if not self.done:
-            self.done = True
-            self.conn.pool._release(self.conn)
+from proxy import tunnel
+from proxy.connection import Body, Connection, Key
+from proxy.egress import EgressPlan
 
 
 class Transport(httpx.AsyncBaseTransport):
-    """httpx's transport interface over `_Conn`s, with an idle pool per upstream host."""
+    """httpx's transport interface over `Connection`s, with an idle pool per upstream host."""
 
     def __init__(
         self,
@@ -306,12 +44,14 @@ class Transport(httpx.AsyncBaseTransport):
         # is not reused just as the server closes it (that request would fail with a 502).
         keepalive_expiry: float = 4.0,
         ssl_context: ssl.SSLContext | None = None,
+        egress: EgressPlan | None = None,
     ) -> None:
         self.max_idle = max_idle_per_host
         self.expiry = keepalive_expiry
         self._ssl = ssl_context
-        self._idle: dict[Key, deque[_Conn]] = {}
-        self._all: set[_Conn] = set()
+        self.egress = egress or EgressPlan()
+        self._idle: dict[Key, deque[Connection]] = {}
+        self._all: set[Connection] = set()
 
     def _ssl_context(self) -> ssl.SSLContext:
         if self._ssl is None:
@@ -325,7 +65,34 @@ class Transport(httpx.AsyncBaseTransport):
             raise httpx.UnsupportedProtocol(f"unsupported URL scheme {url.scheme!r}")
         timeouts: dict[str, Any] = request.extensions.get("timeout", {})
         key = (url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80))
-        conn = self._acquire(key) or await self._connect(key, timeouts.get("connect"))
+        conn = self._acquire(key)
+        if conn is not None:
+            try:
+                await self._exchange(conn, request, timeouts)
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                # The server closed the pooled connection as it was reused: nothing of
+                # this request can have been answered, so it goes once more on a fresh
+                # connection, as httpcore and urllib3 do. Anything else is not retried.
+                if conn.received or not isinstance(request.stream, httpx.ByteStream):
+                    raise
+                conn = None
+        if conn is None:
+            conn = await self._connect(key, timeouts.get("connect"))
+            await self._exchange(conn, request, timeouts)
+        if conn.proxy is not None and conn.status == 407:
+            conn.close()
+            raise tunnel.refused_credentials(conn.proxy)
+        return httpx.Response(
+            conn.status,
+            headers=conn.headers,
+            stream=Body(conn, timeouts.get("read")),
+            extensions={"http_version": b"HTTP/1.1"},
+        )
+
+    async def _exchange(
+        self, conn: Connection, request: httpx.Request, timeouts: dict[str, Any]
+    ) -> None:
+        """Sends the request and waits for the response head."""
         try:
             await conn.send(request, timeouts)
             assert conn.started is not None
@@ -333,21 +100,23 @@ class Transport(httpx.AsyncBaseTransport):
         except BaseException:
             conn.close()  # cancelled or failed before the headers: nothing to reuse
             raise
-        return httpx.Response(
-            conn.status,
-            headers=conn.headers,
-            stream=_Body(conn, timeouts.get("read")),
-            extensions={"http_version": b"HTTP/1.1"},
-        )
 
-    async def _connect(self, key: Key, seconds: float | None) -> _Conn:
+    async def _connect(self, key: Key, seconds: float | None) -> Connection:
         scheme, host, port = key
         tls = self._ssl_context() if scheme == "https" else None
+        proxy = self.egress.proxy_for(scheme, host, port)
+        if proxy is not None:
+            conn = await tunnel.open_connection(
+                proxy, host, port, tls, lambda: Connection(self, key), seconds
+            )
+            conn.proxy = None if tls else proxy
+            self._all.add(conn)
+            return conn
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(seconds):
                 _, protocol = await loop.create_connection(
-                    lambda: _Conn(self, key),
+                    lambda: Connection(self, key),
                     host,
                     port,
                     ssl=tls,
@@ -360,20 +129,20 @@ class Transport(httpx.AsyncBaseTransport):
         self._all.add(protocol)
         return protocol
 
-    def _acquire(self, key: Key) -> _Conn | None:
+    def _acquire(self, key: Key) -> Connection | None:
         idle = self._idle.get(key)
         if not idle:
             return None
         now = time.monotonic()
         while idle:
             conn = idle.pop()  # the most recently used: the least likely to have expired
-            if not conn.closed and now - conn.idle_since < self.expiry:
+            if not conn.closed and now - conn.idle_since < conn.expiry:
                 conn.reused = True
                 return conn
             conn.close()
         return None
 
-    def _release(self, conn: _Conn) -> None:
+    def release(self, conn: Connection) -> None:
         reusable = conn.complete and conn.keep_alive and not conn.closed and conn.error is None
         if not reusable:
             conn.close()
@@ -382,12 +151,12 @@ class Transport(httpx.AsyncBaseTransport):
         conn.idle_since = time.monotonic()
         idle = self._idle.setdefault(conn.key, deque())
         while idle and (
-            len(idle) >= self.max_idle or conn.idle_since - idle[0].idle_since > self.expiry
+            len(idle) >= self.max_idle or conn.idle_since - idle[0].idle_since > idle[0].expiry
         ):
             idle.popleft().close()
         idle.append(conn)
 
-    def _forget(self, conn: _Conn) -> None:
+    def forget(self, conn: Connection) -> None:
         self._all.discard(conn)
         idle = self._idle.get(conn.key)
         if idle and conn in idle:

@@ -6,12 +6,16 @@ can swap it; the client itself is created in the app's lifespan, never at import
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+import os
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 import httpx
 
+from proxy import causes, tunnel
 from proxy.config import UpstreamConfig
+from proxy.egress import EgressPlan, ProxyURL
 from proxy.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
 from proxy.sse import SSESplitter
 from proxy.transport import Transport
@@ -35,29 +39,137 @@ class UpstreamClient:
         self.transport = transport
 
     async def send(self, request: httpx.Request, name: str) -> httpx.Response:
-        """The response, streaming: its body is read by the caller, who must close it."""
-        with translate_errors(name):
+        """The response, streaming: its body is read by the caller, who must close it.
+        Reading it raises the project's errors (UpstreamError), as sending does."""
+        address = _address(request.url)
+        with translate_errors(name, address):
             response = await self.transport.handle_async_request(request)
         response.request = request
+        if isinstance(response.stream, httpx.AsyncByteStream):  # every transport's is
+            response.stream = _TranslatedBody(response.stream, name, address)
         return response
 
     async def aclose(self) -> None:
         await self.transport.aclose()
 
 
+class _TranslatedBody(httpx.AsyncByteStream):
+    """A response body whose failures (reset, read timeout, early end) are ours, with
+    their cause and the upstream's address: translated where the body is read, once."""
+
+    def __init__(self, inner: httpx.AsyncByteStream, name: str, address: str) -> None:
+        self.inner = inner
+        self.name = name
+        self.address = address
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        with translate_errors(self.name, self.address):
+            async for chunk in self.inner:
+                yield chunk
+
+    async def aclose(self) -> None:
+        with translate_errors(self.name, self.address):
+            await self.inner.aclose()
+
+
+def _address(url: httpx.URL) -> str:
+    port = url.port or (443 if url.scheme == "https" else 80)
+    host = url.host
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def create_client(
-    transport: httpx.AsyncBaseTransport | None = None, kind: str = "fast"
+    transport: httpx.AsyncBaseTransport | None = None,
+    kind: str = "fast",
+    egress: EgressPlan | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> UpstreamClient:
     """The shared upstream client; `kind` ([server] http_transport) picks the transport
-    when none is injected."""
+    when none is injected, `egress` its proxies, `ssl_context` its CA certificates."""
+    egress = egress or EgressPlan()
     if transport is None and kind == "fast":
         # Our own HTTP/1.1 transport: httpx's default (httpcore + h11) costs ~110 us of CPU
         # per relayed event; see proxy/transport.py and docs/benchmarks.md.
-        transport = Transport(max_idle_per_host=MAX_IDLE_CONNECTIONS)
+        transport = Transport(
+            max_idle_per_host=MAX_IDLE_CONNECTIONS, ssl_context=ssl_context, egress=egress
+        )
     if transport is None:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
-        transport = httpx.AsyncHTTPTransport(limits=limits, retries=0)
+        # httpx's own: one transport for all, unless some upstreams go through a proxy.
+        proxies = egress.proxies()
+        direct = _httpx_transport(None, ssl_context)
+        transport = HttpxTransports(egress, direct, ssl_context) if proxies else direct
     return UpstreamClient(transport)
+
+
+def _httpx_transport(
+    proxy: ProxyURL | None, ssl_context: ssl.SSLContext | None
+) -> httpx.AsyncHTTPTransport:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
+    return httpx.AsyncHTTPTransport(
+        limits=limits,
+        retries=0,
+        verify=ssl_context if ssl_context is not None else True,
+        proxy=None if proxy is None else httpx.Proxy(proxy.url),
+    )
+
+
+class HttpxTransports(httpx.AsyncBaseTransport):
+    """httpx's transports, one direct and one per egress proxy in use: each request goes
+    to the one its upstream's origin is reached through."""
+
+    def __init__(
+        self,
+        egress: EgressPlan,
+        direct: httpx.AsyncHTTPTransport,
+        ssl_context: ssl.SSLContext | None,
+    ) -> None:
+        self.egress = egress
+        self.direct = direct
+        self.via = {proxy: _httpx_transport(proxy, ssl_context) for proxy in egress.proxies()}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        port = url.port or (443 if url.scheme == "https" else 80)
+        proxy = self.egress.proxy_for(url.scheme, url.host, port)
+        if proxy is None:
+            return await self.direct.handle_async_request(request)
+        response = await self.via[proxy].handle_async_request(request)
+        if response.status_code == 407 and url.scheme == "http":
+            await response.aclose()
+            raise tunnel.refused_credentials(proxy)
+        return response
+
+    def in_use(self) -> int:
+        """Connections carrying a response not yet closed (for leak checks)."""
+        pools = [t._pool for t in [self.direct, *self.via.values()]]
+        return sum(1 for p in pools for c in p.connections if not (c.is_idle() or c.is_closed()))
+
+    async def aclose(self) -> None:
+        for transport in [self.direct, *self.via.values()]:
+            await transport.aclose()
+
+
+def ssl_context_for(ca_bundle: str, environ: Mapping[str, str]) -> ssl.SSLContext | None:
+    """The CA certificates upstreams are verified with: `[server] ca_bundle`, else
+    SSL_CERT_FILE, else SSL_CERT_DIR; None for each transport's default. ValueError naming
+    the setting when its certificates cannot be loaded."""
+    cafile = capath = None
+    if ca_bundle:
+        where = "server.ca_bundle"
+        cafile, capath = (None, ca_bundle) if os.path.isdir(ca_bundle) else (ca_bundle, None)
+    elif environ.get("SSL_CERT_FILE"):
+        where, cafile = "SSL_CERT_FILE", environ["SSL_CERT_FILE"]
+    elif environ.get("SSL_CERT_DIR"):
+        where, capath = "SSL_CERT_DIR", environ["SSL_CERT_DIR"]
+    else:
+        return None
+    try:
+        context = ssl.create_default_context(cafile=cafile, capath=capath)
+    except (OSError, ssl.SSLError) as exc:
+        shown = cafile or capath
+        raise ValueError(f"{where}: cannot load CA certificates from {shown!r}: {exc}") from None
+    context.set_alpn_protocols(["http/1.1"])
+    return context
 
 
 def build_request(
@@ -82,22 +194,26 @@ def build_request(
 
 
 @contextmanager
-def translate_errors(name: str) -> Iterator[None]:
-    """httpx's exceptions, as the project's own (errors.UpstreamError and subclasses)."""
+def translate_errors(name: str, address: str = "") -> Iterator[None]:
+    """httpx's exceptions, as the project's own (errors.UpstreamError and subclasses),
+    each with its cause for the log line (causes.describe)."""
     try:
         yield
     except httpx.TimeoutException as exc:
         what = "connect" if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout) else "respond"
         raise UpstreamTimeout(
-            f"streamfence: upstream {name!r} did not {what} within the configured timeout"
+            f"streamfence: upstream {name!r} did not {what} within the configured timeout",
+            causes.describe(exc, address),
         ) from exc
-    except (httpx.ConnectError, httpx.UnsupportedProtocol) as exc:
+    except (httpx.ConnectError, httpx.UnsupportedProtocol, httpx.ProxyError) as exc:
         raise UpstreamConnectError(
-            f"streamfence: could not connect to upstream {name!r} ({type(exc).__name__})"
+            f"streamfence: could not connect to upstream {name!r} ({causes.kind(exc)})",
+            causes.describe(exc, address),
         ) from exc
     except httpx.HTTPError as exc:
         raise UpstreamError(
-            f"streamfence: upstream {name!r} broke the HTTP exchange ({type(exc).__name__})"
+            f"streamfence: upstream {name!r} broke the HTTP exchange ({type(exc).__name__})",
+            causes.describe(exc, address),
         ) from exc
 
 

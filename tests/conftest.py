@@ -33,6 +33,18 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+EGRESS_ENV = [f"{n}_proxy" for n in ("http", "https", "all", "no")]
+EGRESS_ENV += [n.upper() for n in EGRESS_ENV]
+
+
+@pytest.fixture(autouse=True)
+def _no_egress_proxy_from_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The proxy reads HTTPS_PROXY & co. (proxy/egress.py): a CI machine's own must not send
+    # the tests' loopback traffic elsewhere. Egress tests set theirs explicitly.
+    for name in EGRESS_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture
 async def upstream() -> AsyncIterator[ScriptedUpstream]:
     scripted = ScriptedUpstream()

@@ -319,3 +319,17 @@ def test_an_environment_upstream_index_is_bounded() -> None:
     with pytest.raises(ConfigError) as info:
         load(env={"STREAMFENCE_UPSTREAM_99999999_URL": "http://127.0.0.1:1"})
     assert info.value.problems == ["upstream[99999999]: at most 256 upstreams"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [("false", False), ("FALSE", False), ("0", False), ("no", False), ("off", False)]
+    + [("true", True), ("1", True), ("yes", True), ("On", True)],
+)
+def test_booleans_from_the_environment_mean_what_they_say(raw: str, expected: bool) -> None:
+    env = {
+        "STREAMFENCE_UPSTREAM_URL": "http://127.0.0.1:9",
+        "STREAMFENCE_UPSTREAM_FINGERPRINT": raw,
+    }
+    (up,) = load(env=env).upstream
+    assert up.fingerprint is expected

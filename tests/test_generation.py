@@ -127,19 +127,39 @@ def _supersede(gen: Generation) -> Callable[[], None]:
 async def test_an_event_taken_just_before_the_fence_is_never_written() -> None:
     feed = Feed()
     gen = _generation(feed)
-    client = Client()
-    _sub, task, finished = _subscribe(gen, client)
+    first, second = Client(), Client()
+    _, task_a, finished = _subscribe(gen, first)
+    _, task_b, _ = _subscribe(gen, second)
     feed.queue.put_nowait(b"data: one\n\n")
-    await client.wait_bodies(1)
-    # The reader appends "two" (waking the subscriber) and, in the same step, the newer
-    # claim fences the generation: the subscriber resumes after the fence.
+    await first.wait_bodies(1)
+    await second.wait_bodies(1)
+    # The reader appends "two" (waking both subscribers) and, in the same step, the newer
+    # claim fences the generation: the subscribers resume after the fence.
     feed.queue.put_nowait(b"data: two\n\n")
     feed.queue.put_nowait(_supersede(gen))
+    await asyncio.wait_for(asyncio.gather(task_a, task_b), 5)
+    for client in (first, second):
+        written = b"".join(client.bodies)
+        assert b"data: one" in written and b"data: two" not in written
+        assert b"stream_superseded" in written
+    assert finished[0].outcome == "superseded" and finished[0].dropped == 1
+
+
+async def test_the_reader_writing_for_its_one_client_checks_the_fence_too() -> None:
+    feed = Feed()
+    gen = _generation(feed)
+    client = Client()
+    _, task, finished = _subscribe(gen, client)
+    feed.queue.put_nowait(b"data: one\n\n")
+    await client.wait_bodies(1)
+    # The fence lands in the reader's own step, before it takes "two" (already queued):
+    # the reader writes for its parked client, and must drop it.
+    feed.queue.put_nowait(_supersede(gen))
+    feed.queue.put_nowait(b"data: two\n\n")
     await asyncio.wait_for(task, 5)
     written = b"".join(client.bodies)
-    assert b"data: one" in written and b"data: two" not in written
-    assert b"stream_superseded" in written
-    assert finished[0].outcome == "superseded" and finished[0].dropped == 1
+    assert b"data: two" not in written and b"stream_superseded" in written
+    assert finished[0].outcome == "superseded"
 
 
 async def test_a_fenced_client_that_does_not_read_does_not_hold_the_upstream() -> None:
@@ -174,13 +194,31 @@ async def test_after_an_overflow_the_reader_waits_for_its_slowest_client() -> No
     event = b"data: " + b"x" * 50 + b"\n\n"
     feed = Feed(endless=event)
     gen = _generation(feed, buffer_bytes=200)
+    slow, fast = Client(block_after=1), Client()
+    _, slow_task, _ = _subscribe(gen, slow)
+    _, fast_task, _ = _subscribe(gen, fast)
+    await slow.wait_bodies(1)
+    for _ in range(500):
+        await asyncio.sleep(0)  # let the reader and the fast client run as far as they may
+    assert not gen.followable  # over its cap: nobody may follow it any more
+    assert feed.pulled < 12  # held back by the client that stopped reading
+    assert gen.size <= 200 + len(event)
+    for task in (slow_task, fast_task):
+        task.cancel()
+    await asyncio.gather(slow_task, fast_task, return_exceptions=True)
+    assert feed.closed.is_set()
+
+
+async def test_a_client_that_stops_reading_holds_back_the_reader_writing_for_it() -> None:
+    event = b"data: " + b"x" * 50 + b"\n\n"
+    feed = Feed(endless=event)
+    gen = _generation(feed, buffer_bytes=200)
     client = Client(block_after=1)
-    _sub, task, _ = _subscribe(gen, client)
+    _, task, _ = _subscribe(gen, client)
     await client.wait_bodies(1)
     for _ in range(500):
-        await asyncio.sleep(0)  # let the reader run as far as it may
-    assert not gen.followable  # over its cap: nobody may follow it any more
-    assert feed.pulled < 10  # held back by the client that stopped reading
+        await asyncio.sleep(0)
+    assert feed.pulled < 5 and gen.size <= 200 + len(event)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     assert feed.closed.is_set()

@@ -84,7 +84,7 @@ async def _readers(writer: LogWriter, n: int) -> None:
     async def counted() -> bool:
         return writer.readers == n
 
-    await _until(counted, within=HEARTBEAT * 3)
+    await _until(counted, within=HEARTBEAT * 5)
 
 
 async def test_a_follower_elsewhere_catches_up_then_follows_live_in_order(

@@ -23,7 +23,7 @@ def test_example_has_every_setting_at_its_default() -> None:
     example = tomllib.loads(EXAMPLE.read_text())
     schema = defaults_as_dict()
     assert set(example) == set(schema)
-    for section in ("server", "turns", "registry"):
+    for section in ("server", "turns", "registry", "tracing"):
         assert set(example[section]) == set(schema[section]), section
         for key, default in schema[section].items():
             shown = example[section][key]
@@ -48,7 +48,7 @@ def test_example_loads_and_checks_clean(capsys: pytest.CaptureFixture[str]) -> N
     assert cli.main(["check-config", str(EXAMPLE)]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"{EXAMPLE}: ok\n")
-    assert "listening on http://127.0.0.1:8787" in out
+    assert "would listen on http://127.0.0.1:8787" in out
     assert "registry: memory" in out
 
 
@@ -134,7 +134,7 @@ def test_check_config_on_unreadable_or_broken_files(
     err = capsys.readouterr().err
     assert "not valid TOML" in err and "line 3" in err
     assert cli.main(["check-config"]) == 2
-    assert "usage: streamfence check-config FILE" in capsys.readouterr().err
+    assert "the following arguments are required: FILE" in capsys.readouterr().err
 
 
 def test_check_config_as_a_command(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from proxy import __version__
 from tests.upstream import ScriptedUpstream, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,9 +46,9 @@ class Stage:
     def all(self, instruction: str) -> list[str]:
         return [args for op, args in self.steps if op == instruction]
 
-    def env(self) -> dict[str, str]:
+    def env(self, instruction: str = "ENV") -> dict[str, str]:
         out: dict[str, str] = {}
-        for args in self.all("ENV"):
+        for args in self.all(instruction):
             for pair in shlex.split(args):
                 key, _, value = pair.partition("=")
                 out[key] = value
@@ -142,6 +143,18 @@ def test_the_image_keeps_its_promises() -> None:
     assert json.loads(FINAL.all("ENTRYPOINT")[0]) == ["streamfence"]
 
 
+def test_the_image_has_oci_labels_matching_the_package() -> None:
+    labels = FINAL.env("LABEL")
+    args = FINAL.env("ARG")
+    assert args["VERSION"] == __version__  # bump both together
+    prefix = "org.opencontainers.image."
+    for key in ("title", "description", "version", "licenses", "source", "url", "documentation"):
+        assert labels.get(prefix + key), f"missing LABEL {prefix}{key}"
+    assert labels[prefix + "version"] == "${VERSION}"
+    assert labels[prefix + "licenses"] == "MIT"
+    assert labels[prefix + "source"].startswith("https://")
+
+
 def test_the_build_context_holds_every_copied_file() -> None:
     context = build_context()
     assert ".venv/bin/python" not in context and not any(".git/" in p for p in context)
@@ -217,6 +230,14 @@ def test_install_steps_make_a_working_command(installed: Path, tmp_path: Path) -
     assert where.returncode == 0, where.stderr
     # From the installed copy, not the source tree: the wheel holds every subpackage.
     assert where.stdout.strip().startswith(str(installed)), where.stdout
+    # MIT asks for the notice to ship with every copy: the wheel carries it (PEP 639).
+    site = Path(sysconfig.get_path("purelib", vars={"base": str(installed)}))
+    (dist,) = site.glob("streamfence-*.dist-info")
+    assert (dist / "licenses" / "LICENSE").read_text() == (ROOT / "LICENSE").read_text()
+    metadata = (dist / "METADATA").read_text()
+    assert "License-Expression: MIT" in metadata
+    assert "Project-URL: Source, https://" in metadata
+    assert "Classifier: Programming Language :: Python :: 3.11" in metadata
 
 
 async def _healthcheck(env: dict[str, str]) -> int:

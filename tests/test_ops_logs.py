@@ -4,22 +4,29 @@ traffic that must never reach a log."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
 import re
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from proxy import cli, logs
+from proxy import logs, serve
 from proxy.config import load
 from tests.conftest import ProxyFactory
 from tests.sse_client import chat_body, events, open_stream
-from tests.upstream import ScriptedUpstream
+from tests.upstream import ScriptedUpstream, free_port
 
+ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/v1/chat/completions"
 SECRET = "sk-proj-LOGSECRET-0123456789abcdef"
 TURN_ID = "turn-LOGSECRET-id"
@@ -81,7 +88,8 @@ async def test_json_lines_for_each_request_and_the_supersede(
         assert line["status"] == 200 and line["streaming"] is True
         assert line["turn"] == a["turn"] and re.fullmatch(r"[0-9a-f]{16}", line["turn"])
         assert line["ttfb_ms"] >= 0 and line["duration_ms"] >= line["ttfb_ms"]
-        assert isinstance(line["ts"], float)
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", line["ts"])  # RFC 3339
+        assert (line["level"], line["logger"]) == ("info", "streamfence")
     assert (a["attempt"], a["outcome"], a["superseded_by"]) == (1, "superseded", 2)
     assert a["error"] == "stream_superseded" and a["fence_latency_ms"] < 50
     assert (b["attempt"], b["outcome"]) == (2, "completed")
@@ -153,7 +161,7 @@ def test_startup_lines_say_where_which_upstreams_and_which_registry() -> None:
             "registry.url": "redis://:redispass@10.0.0.5:6379/2",
         },
     )
-    lines = cli.startup_lines(config)
+    lines = serve.startup_lines(config)
     text = "\n".join(lines)
     assert lines[0].endswith("listening on http://127.0.0.1:9999")
     assert "upstream 'default': / -> https://api.openai.com (dialect auto)" in text
@@ -165,9 +173,98 @@ def test_startup_lines_say_where_which_upstreams_and_which_registry() -> None:
 
 def test_startup_warns_about_an_open_port_without_a_token() -> None:
     base = {"upstream.url": "https://api.openai.com", "server.host": "0.0.0.0"}
-    open_lines = cli.startup_lines(load(env={}, overrides=base))
+    open_lines = serve.startup_lines(load(env={}, overrides=base))
     assert open_lines[0].endswith("listening on http://0.0.0.0:8787")
     assert open_lines[-1].startswith("WARNING: listening on 0.0.0.0")
-    guarded = cli.startup_lines(load(env={}, overrides={**base, "server.access_token": "t"}))
+    guarded = serve.startup_lines(load(env={}, overrides={**base, "server.access_token": "t"}))
     assert not any("WARNING" in line for line in guarded)
     assert "registry: memory" in guarded[-1]
+
+
+RFC3339 = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)")
+
+
+async def test_in_json_mode_every_line_the_process_writes_is_one_json_object(
+    upstream: ScriptedUpstream,
+) -> None:
+    """The real command, JSON mode (the default): the startup lines, request lines, warnings
+    from streamfence (a Redis registry that is down: fail_open), uvicorn's own error log (a
+    malformed request) and the shutdown on SIGTERM: each line parses as one JSON object."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("STREAMFENCE_")}
+    proc = await asyncio.create_subprocess_exec(
+        *[sys.executable, "-m", "proxy", "--upstream", upstream.url, "--port", "0"],
+        *["--registry-url", f"redis://127.0.0.1:{free_port()}/0"],  # nobody listens there
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=clean,
+        cwd=ROOT,
+    )
+    assert proc.stderr is not None and proc.stdout is not None
+    try:
+        first = await asyncio.wait_for(proc.stderr.readline(), 30)
+        url = json.loads(first)["msg"].rsplit(" ", 1)[1]
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            ok = await client.post(CHAT, json=chat_body("ok"), headers={"X-Turn-Id": "t1"})
+            assert ok.status_code == 200
+            broken = await client.post(CHAT, json=chat_body("broken", fail_after=1))
+            assert "error" in broken.text  # the stream broke after one event
+            rejected = await client.post(CHAT, json={}, headers={"X-Turn-Id": ""})
+            assert rejected.status_code == 400
+        reader, writer = await asyncio.open_connection(*url.removeprefix("http://").split(":"))
+        writer.write(b"NOT HTTP AT ALL\r\n\r\n")  # uvicorn answers 400 and logs a warning
+        assert (await reader.read()).startswith(b"HTTP/1.1 400")
+        writer.close()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    rest = (await proc.stderr.read()).decode()
+    assert (await proc.stdout.read()) == b""
+    lines = [first.decode(), *rest.splitlines(keepends=True)]
+    parsed = []
+    for text in lines:
+        assert text.endswith("\n")
+        obj = json.loads(text)  # one object per line, nothing else
+        assert isinstance(obj, dict), text
+        assert RFC3339.fullmatch(obj["ts"]), obj
+        assert obj["level"] in ("debug", "info", "warning", "error", "critical"), obj
+        assert isinstance(obj["logger"], str) and isinstance(obj["msg"], str), obj
+        parsed.append(obj)
+    loggers = {(p["logger"], p["level"]) for p in parsed}
+    assert ("streamfence.startup", "info") in loggers
+    assert ("streamfence", "warning") in loggers  # the registry being down
+    assert ("uvicorn.error", "warning") in loggers  # the malformed request
+    requests = [p for p in parsed if p["msg"] == "request"]
+    assert sorted(r["outcome"] for r in requests) == ["completed", "rejected", "upstream_error"]
+    for r in requests:  # request lines keep their own fields
+        assert {"method", "path", "status", "turn", "attempt", "duration_ms"} <= set(r)
+
+
+def test_python_warnings_and_uncaught_exceptions_are_json_lines_too() -> None:
+    code = (
+        "import threading, warnings\n"
+        "from proxy import logs\n"
+        "logs.configure('info', 'json')\n"
+        "warnings.warn('an old API', DeprecationWarning, stacklevel=1)\n"
+        "t = threading.Thread(target=lambda: 1 / 0)\n"
+        "t.start(); t.join()\n"
+        "raise RuntimeError('boom')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "always", "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+        check=False,
+    )
+    assert out.returncode == 1
+    lines = [json.loads(line) for line in out.stderr.splitlines()]  # nothing but JSON
+    warning, thread, main = lines
+    assert (warning["logger"], warning["level"]) == ("py.warnings", "warning")
+    assert "an old API" in warning["msg"]
+    assert thread["error"] == "ZeroDivisionError: division by zero"
+    assert (main["level"], main["error"]) == ("critical", "RuntimeError: boom")
+    assert "Traceback" in main["traceback"]

@@ -11,6 +11,7 @@ from contextlib import AsyncExitStack
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy import __version__
 from proxy.logs import Record
 from proxy.metrics import Metrics
 from proxy.registry import MemoryRegistry
@@ -153,9 +154,11 @@ async def test_labels_never_carry_credentials_turn_ids_or_bodies(
         assert secret not in text
         assert secret.split()[-1] not in text
     assert "SECRET" not in text
-    allowed = {"upstream", "dialect", "outcome", "kind", "le"}
+    allowed = {"upstream", "dialect", "outcome", "kind", "how", "le"}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name == "streamfence_build_info" or not sample.name.startswith("stream"):
+                continue  # process_*, python_* and the version: labels fixed by the collector
             assert set(sample.labels) <= allowed, sample
 
 
@@ -170,6 +173,13 @@ async def test_metrics_need_the_access_token_when_one_is_set(
         bad = await client.get("/_streamfence/metrics", headers={"x-streamfence-token": "tok2"})
         assert bad.status_code == 401
         assert await scrape(client, **{"x-streamfence-token": "tok"})
+        # What Prometheus' `authorization` block sends (credentials_file or credentials).
+        assert await scrape(client, authorization="Bearer tok")
+        assert await scrape(client, authorization="bearer  tok")
+        for wrong in ("Bearer tok2", "Basic dG9rOg==", "tok", "Bearer"):
+            denied = await client.get("/_streamfence/metrics", headers={"authorization": wrong})
+            assert denied.status_code == 401, wrong
+            assert denied.headers["www-authenticate"] == "Bearer"
         # healthz stays open: orchestrators probe it without secrets
         assert (await client.get("/_streamfence/healthz")).status_code == 200
     assert upstream.seen == []
@@ -188,6 +198,37 @@ def test_dropped_events_and_fence_latency_are_observed_from_the_record() -> None
     # Two apps in one process keep separate counts.
     fresh = parse(Metrics().render().decode())
     assert value(fresh, "streamfence_events_dropped_total", upstream="u") == 0
+
+
+async def test_bearer_is_only_for_metrics_on_the_proxy_path_it_is_the_upstream_credential(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory
+) -> None:
+    async with (
+        make_proxy(upstream.url, **{"server.access_token": "tok"}) as proxy,
+        proxy.client() as client,
+    ):
+        # The proxy's token as a bearer does not open the proxy path...
+        refused = await client.post(
+            CHAT, json=chat_body("a"), headers={"authorization": "Bearer tok"}
+        )
+        assert refused.status_code == 401
+        # ...and the caller's own bearer still reaches the upstream untouched.
+        headers = {"x-streamfence-token": "tok", "authorization": "Bearer sk-upstream-key"}
+        ok = await client.post(CHAT, json=chat_body("b"), headers=headers)
+        assert ok.status_code == 200
+    assert [seen.headers.get("authorization") for seen in upstream.seen] == [
+        "Bearer sk-upstream-key"
+    ]
+
+
+async def test_process_platform_and_build_info_are_exported(proxy: Proxy) -> None:
+    async with proxy.client() as client:
+        m = await scrape(client)
+    assert value(m, "streamfence_build_info", version=__version__) == 1
+    assert value(m, "process_resident_memory_bytes") > 1_000_000
+    assert value(m, "process_open_fds") > 0
+    assert any(name == "python_info" for name, _ in m)
+    assert any(name == "python_gc_collections_total" for name, _ in m)
 
 
 class NotReady(MemoryRegistry):

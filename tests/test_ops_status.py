@@ -7,6 +7,8 @@ import asyncio
 import json
 import os
 import signal
+import socket
+import ssl
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -18,7 +20,8 @@ import pytest
 import sse_starlette.sse
 from sse_starlette.sse import AppStatus
 
-from proxy import status
+from proxy import status, statuspage
+from proxy.errors import MalformedStream, UpstreamConnectError, UpstreamTimeout
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import Event, chat_body, events, open_stream
 from tests.upstream import ScriptedUpstream, free_port
@@ -59,17 +62,17 @@ async def _until(
 
 
 def test_page_is_self_contained_with_a_strict_policy() -> None:
-    page = status.PAGE
+    page = statuspage.PAGE
     for external in ("http://", "https://", "//", "src=", "@import", "url("):
         assert external not in page
     # Its own icon, so a browser never asks the upstream for /favicon.ico.
     assert '<link rel="icon" href="data:,">' in page
-    csp = status.PAGE_HEADERS["content-security-policy"]
+    csp = statuspage.PAGE_HEADERS["content-security-policy"]
     assert "default-src 'none'" in csp and "connect-src 'self'" in csp
     assert "'unsafe-inline'" not in csp.split("script-src")[1].split(";")[0]
-    assert status.PAGE_HEADERS["referrer-policy"] == "no-referrer"
+    assert statuspage.PAGE_HEADERS["referrer-policy"] == "no-referrer"
     # The script hash in the policy is the script's: a stale hash would block the page.
-    assert status._SCRIPT in page
+    assert statuspage.SCRIPT in page
 
 
 async def test_feed_shows_turn_in_flight_then_its_supersede(
@@ -111,13 +114,22 @@ async def test_feed_shows_turn_in_flight_then_its_supersede(
         flight = next(f for f in snap["in_flight"] if f["turn"] == turn)
         assert flight["upstream"] == "default"
         assert flight["dialect"] == "openai-chat"
-        assert flight["attempt"] == 1 and flight["age_s"] >= 0
+        assert flight["attempt"] == 1 and flight["age_s"] >= 0 and flight["followers"] == 0
+        twin = await open_stream(stack, client, CHAT, chat_body("q", gated=True), headers)
+        twin_events = events(twin)
+        await anext(twin_events)
+        snap = await _until(
+            feed, lambda s: any(f["turn"] == turn and f["followers"] == 1 for f in s["in_flight"])
+        )
+        assert len(snap["in_flight"]) == 1  # one generation, two clients
 
         b = await open_stream(stack, client, CHAT, chat_body("q", tokens=2), headers)
         b_events: list[Event] = [e async for e in events(b)]
         assert b_events[-1].data == "[DONE]"
         rest: list[Event] = [e async for e in a_events]
         assert rest[-1].json["error"]["code"] == "stream_superseded"
+        twin_rest: list[Event] = [e async for e in twin_events]
+        assert twin_rest[-1].json["error"]["code"] == "stream_superseded"
 
         snap = await _until(feed, lambda s: bool(s["recent"]) and not s["in_flight"])
         (recent,) = snap["recent"]
@@ -125,7 +137,7 @@ async def test_feed_shows_turn_in_flight_then_its_supersede(
         assert (recent["attempt"], recent["by_attempt"]) == (1, 2)
         assert 0 <= recent["fence_latency_ms"] < 50
         assert snap["totals"]["supersedes"] == 1
-        assert snap["totals"]["requests"] == 2
+        assert snap["totals"]["requests"] == 3  # the first, its follower, the revision
 
     text = "\n".join(raw_feed)
     assert secret not in text and "t-secret-turn" not in text
@@ -200,3 +212,25 @@ async def test_sigterm_ends_open_feeds_so_shutdown_does_not_wait_for_them(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def _chained(outer: Exception, inner: BaseException) -> Exception:
+    try:
+        try:
+            raise inner
+        except BaseException as exc:
+            raise outer from exc
+    except Exception as caught:
+        return caught
+
+
+def test_an_upstream_errors_cause_is_named_from_its_chain() -> None:
+    def connect(inner: BaseException) -> Exception:
+        return _chained(UpstreamConnectError("x"), _chained(OSError("httpx"), inner))
+
+    assert status.cause(connect(ConnectionRefusedError(111, "refused"))) == "refused"
+    assert status.cause(connect(socket.gaierror(-2, "Name or service not known"))) == "DNS"
+    assert status.cause(connect(ssl.SSLCertVerificationError("bad cert"))) == "TLS"
+    assert status.cause(connect(ConnectionResetError(104, "reset"))) == "reset"
+    assert status.cause(_chained(UpstreamTimeout("x"), TimeoutError())) == "timeout"
+    assert status.cause(MalformedStream("x")) == "malformed"  # no chain: its kind

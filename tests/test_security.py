@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy import cli
+from proxy import serve
 from proxy.config import load
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import chat_body, events, open_stream
@@ -291,7 +291,7 @@ def test_a_non_loopback_address_without_a_token_is_warned_about(
             "server.access_token": token,
         },
     )
-    lines = cli.startup_lines(config)
+    lines = serve.startup_lines(config)
     warning = [line for line in lines if "WARNING" in line]
     assert bool(warning) == warned, lines
     if warned:

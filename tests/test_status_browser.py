@@ -26,10 +26,11 @@ from websockets.asyncio.client import ClientConnection, connect
 from tests.conftest import ProxyFactory
 from tests.sse_client import chat_body, events, open_stream
 from tests.test_ops_status import reset_sse_starlette  # noqa: F401 - autouse fixture
-from tests.upstream import ScriptedUpstream
+from tests.upstream import ScriptedUpstream, free_port
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "status-page.png"
+NARROW_SCREENSHOT = SCREENSHOT.with_name("status-page-640.png")
 TOKEN = "browser-test-token"
 CHAT = "/v1/chat/completions"
 
@@ -92,7 +93,7 @@ class Page:
 
 
 @asynccontextmanager
-async def chromium(tmp: Path) -> AsyncIterator[Page]:
+async def chromium(tmp: Path, width: int = 1100) -> AsyncIterator[Page]:
     assert CHROMIUM is not None
     proc = await asyncio.create_subprocess_exec(
         CHROMIUM,
@@ -135,7 +136,7 @@ async def chromium(tmp: Path) -> AsyncIterator[Page]:
             await browser.send("Runtime.enable")
             await browser.send(
                 "Emulation.setDeviceMetricsOverride",
-                width=1100,
+                width=width,
                 height=720,
                 deviceScaleFactor=1,
                 mobile=False,
@@ -232,3 +233,83 @@ async def test_status_page_without_the_token_shows_nothing(
         await page.send("Page.navigate", url=f"{proxy.url}/_streamfence/?token=wrong")
         await page.wait_for("document.body && document.body.innerText.includes('access token')")
         assert await page.text("document.getElementById('inflight')") is None
+
+
+async def test_status_page_at_640px_shows_outcomes_errors_and_upstream_health(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory, tmp_path: Path
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"  # a second upstream nobody listens on
+    options = {"upstream.1.url": dead, "upstream.1.name": "dead", "upstream.1.prefix": "/dead"}
+    async with (
+        make_proxy(upstream.url, **options) as proxy,
+        proxy.client() as client,
+        chromium(tmp_path / "profile", width=640) as page,
+    ):
+        await page.send("Page.navigate", url=f"{proxy.url}/_streamfence/")
+        await page.wait_for("document.getElementById('state')?.textContent === 'live'")
+        await page.wait_for(_upstream("dead", "idle"))
+        ok = await client.post(CHAT, json=chat_body("fine"))
+        assert ok.status_code == 200
+        broken = await client.post(CHAT, json=chat_body("broken", fail_after=1))
+        assert "error" in broken.text
+        refused = await client.post("/dead" + CHAT, json=chat_body("x"))
+        assert refused.status_code == 502
+        assert (await client.post(CHAT, json={}, headers={"X-Turn-Id": ""})).status_code == 400
+
+        await page.wait_for(_count("outcomes", "upstream_error", 2))
+        await page.wait_for(_count("outcomes", "completed", 1))
+        await page.wait_for(_count("outcomes", "rejected", 1))
+        await page.wait_for(_count("errors", "upstream_unreachable", 1))
+        # Each upstream's health: the dead one failing, refused; the live one's last error
+        # (the broken stream) and its recent time to first byte.
+        await page.wait_for(_upstream("dead", "failing"))
+        dead_row = await _cells(page, "dead")
+        assert dead_row[4:6] == ["upstream_unreachable", "refused"]
+        default_row = await _cells(page, "default")
+        assert default_row[1] == "failing" and default_row[2:4] == ["2", "1"]
+        assert default_row[7].endswith(" ms") and float(default_row[7].split()[0]) > 0
+        # Usable at 640 px: nothing wider than the window, the key columns still shown.
+        width, room = await page.text(
+            "[document.documentElement.scrollWidth, document.documentElement.clientWidth]"
+        )
+        assert room <= 640 and width <= room, f"the page is {width} px wide in {room} px"
+        visible = await page.text(
+            "[...document.querySelectorAll('#upstreams tr:first-child td')]"
+            ".filter((td) => td.offsetWidth > 0).length"
+        )
+        assert visible == 7  # "when" and "last TTFB" step aside on a narrow screen
+        overflow = await page.text(
+            "[...document.querySelectorAll('table')].map((t) => t.parentElement.scrollWidth"
+            " - t.parentElement.clientWidth)"
+        )
+        assert max(overflow) <= 0, f"tables scroll sideways at 640 px: {overflow}"
+        assert page.console == []
+        if os.environ.get("STREAMFENCE_UPDATE_DOCS"):  # the README's narrow picture, on purpose
+            await page.send(
+                "Emulation.setDeviceMetricsOverride",
+                width=640,
+                height=860,
+                deviceScaleFactor=1,
+                mobile=False,
+            )
+            shot = await page.send("Page.captureScreenshot", format="png")
+            NARROW_SCREENSHOT.write_bytes(base64.b64decode(shot["data"]))
+
+
+def _count(list_id: str, name: str, n: int) -> str:
+    return f"document.querySelector('#{list_id} li[data-name=\"{name}\"] b')?.textContent === '{n}'"
+
+
+def _upstream(name: str, state: str) -> str:
+    return (
+        f"document.querySelector('#upstreams tr[data-upstream=\"{name}\"]')"
+        f"?.cells[1].textContent === '{state}'"
+    )
+
+
+async def _cells(page: Page, name: str) -> list[str]:
+    cells: list[str] = await page.text(
+        f"[...document.querySelector('#upstreams tr[data-upstream=\"{name}\"]').cells]"
+        ".map((td) => td.textContent)"
+    )
+    return cells

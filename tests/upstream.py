@@ -1,7 +1,10 @@
 """A scripted upstream provider: a real HTTP server on 127.0.0.1, port 0.
 
 Each request's behaviour comes from a `Script`: by default from the JSON body's "script"
-object (clients pass it with `extra_body`), else from `ScriptedUpstream.default`. Every
+object (clients pass it with `extra_body`), else from `ScriptedUpstream.choose` (for clients
+that cannot add a field, such as agents started as processes), else the next one of
+`ScriptedUpstream.queue` (one per request, in arrival order: for clients whose retries resend
+byte-identical bodies), else `ScriptedUpstream.default`. Every
 request is recorded as a `Seen`, with events a test can wait on: `gate` holds the stream
 between events until the test releases it, and `closed` is set the moment the server sees
 its client (the proxy) go away, with `events_sent` telling how far it got.
@@ -10,10 +13,12 @@ its client (the proxy) go away, with `events_sent` telling how far it got.
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import json
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +33,10 @@ class Script:
     tokens: int | list[str] = 3
     delay: float = 0.0  # seconds between events
     gated: bool = False  # wait for Seen.release() before each event after the first
+    # Like gated, but from the event after the one carrying token number n (1-based) on:
+    # the client has text in hand (a Responses or Anthropic stream announces its message
+    # in events before the first token).
+    gated_after_tokens: int | None = None
     hold_headers: bool = False  # wait for Seen.release() before sending headers
     status: int = 200
     stream: bool | None = None  # None: from the request body's "stream"
@@ -35,7 +44,15 @@ class Script:
     raw: list[str] | None = None  # exact SSE text to send instead of generated events
     raw_bytes: list[bytes] | None = None
     prefix: str = ""  # token prefix, so two attempts' texts are told apart
+    # Prefix the tokens with this request's number as well ("g<n>:"): identical requests
+    # that reach the upstream (new generations of one turn) still answer apart.
+    unique: bool = False
     headers: dict[str, str] = field(default_factory=dict)  # extra response headers
+    body: str | None = None  # a whole (non-SSE) body to send instead of the generated JSON
+    content_type: str = "application/json"  # of `body`
+    json_body: Any = (
+        None  # the whole JSON body of a non-streaming answer, instead of the generated one
+    )
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> Script | None:
@@ -68,6 +85,11 @@ class Seen:
     sent_event: asyncio.Event = field(default_factory=asyncio.Event)
     _permits: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(0))
 
+    def __repr__(self) -> str:
+        # Short, so that a failed assertion on a list of requests stays readable.
+        state = "closed" if self.closed.is_set() else "finished" if self.finished else "open"
+        return f"<Seen {self.method} {self.path} events_sent={self.events_sent} {state}>"
+
     def release(self, n: int = 1) -> None:
         for _ in range(n):
             self._permits.release()
@@ -86,6 +108,9 @@ class Seen:
 class ScriptedUpstream:
     def __init__(self) -> None:
         self.default = Script()
+        self.queue: collections.deque[Script] = collections.deque()
+        # (path, parsed body) -> Script, or None for the default
+        self.choose: Callable[[str, Any], Script | None] | None = None
         self.seen: list[Seen] = []
         self.arrived = asyncio.Event()
         self.url = ""
@@ -112,7 +137,13 @@ class ScriptedUpstream:
             parsed = json.loads(body) if body else {}
         except ValueError:
             parsed = {}
-        script = (Script.from_body(parsed) if isinstance(parsed, dict) else None) or self.default
+        script = Script.from_body(parsed) if isinstance(parsed, dict) else None
+        if script is None and self.choose is not None:
+            script = self.choose(scope["path"], parsed)
+        if script is None:
+            script = self.queue.popleft() if self.queue else self.default
+        if script.unique:
+            script = dataclasses.replace(script, prefix=f"{script.prefix}g{len(self.seen)}:")
         seen = Seen(
             method=scope["method"],
             path=scope["path"],
@@ -152,14 +183,22 @@ class ScriptedUpstream:
         streaming = (
             script.stream
             if script.stream is not None
+            # Gemini says it by the method in the path, not in the body.
             else bool(isinstance(body, dict) and body.get("stream"))
+            or ":streamGenerateContent" in seen.path
         )
         if script.status >= 400:
             payload = json.dumps({"error": {"message": "scripted failure", "type": "scripted"}})
             await _send_whole(send, script.status, payload.encode(), "application/json", script)
             return
+        if script.body is not None:
+            await _send_whole(send, 200, script.body.encode(), script.content_type, script)
+            return
         if not streaming:
-            payload = json.dumps(_whole_response(seen, script))
+            whole = (
+                script.json_body if script.json_body is not None else _whole_response(seen, script)
+            )
+            payload = json.dumps(whole)
             await _send_whole(send, 200, payload.encode(), "application/json", script)
             return
         await send(
@@ -170,8 +209,11 @@ class ScriptedUpstream:
                 + _extra(script),
             }
         )
+        gate_from = 1 if script.gated else None
+        if script.gated_after_tokens is not None:
+            gate_from = _token_offset(seen.path, script) + script.gated_after_tokens
         for i, event in enumerate(_events(seen.path, script)):
-            if i > 0 and script.gated:
+            if gate_from is not None and i >= gate_from:
                 await seen._permits.acquire()
             elif i > 0 and script.delay:
                 await asyncio.sleep(script.delay)
@@ -197,6 +239,33 @@ async def _send_whole(send: Any, status: int, body: bytes, ctype: str, script: S
 
 def _whole_response(seen: Seen, script: Script) -> dict[str, Any]:
     text = "".join(script.token_list())
+    if ":generateContent" in seen.path:
+        return {
+            "candidates": [
+                {"content": {"parts": [{"text": text}], "role": "model"}, "finishReason": "STOP"}
+            ],
+            "modelVersion": "m",
+        }
+    if seen.path.endswith("/responses"):
+        return {
+            "id": "resp_1",
+            "object": "response",
+            "created_at": 1,
+            "model": "m",
+            "status": "completed",
+            "output": [
+                {
+                    "type": "message",
+                    "id": "msg_1",
+                    "status": "completed",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}],
+                }
+            ],
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+        }
     if seen.path.endswith("/messages"):
         return {
             "id": "msg_1",
@@ -244,6 +313,17 @@ def _events(path: str, script: Script) -> list[bytes]:
     return _chat_events(tokens)
 
 
+def _token_offset(path: str, script: Script) -> int:
+    """How many events of a generated stream come before its first token."""
+    if script.raw is not None or script.raw_bytes is not None:
+        return 0
+    if path.endswith("/responses"):
+        return 3  # response.created, output_item.added, content_part.added
+    if path.endswith("/messages"):
+        return 2  # message_start, content_block_start
+    return 0
+
+
 def _chat_events(tokens: list[str]) -> list[bytes]:
     def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
         return _sse(
@@ -260,6 +340,8 @@ def _chat_events(tokens: list[str]) -> list[bytes]:
 
 
 def _responses_events(tokens: list[str]) -> list[bytes]:
+    # The event sequence the Responses API sends for one text message (the Vercel AI SDK
+    # needs the item and content part announced before their deltas).
     response = {
         "id": "resp_1",
         "object": "response",
@@ -271,35 +353,29 @@ def _responses_events(tokens: list[str]) -> list[bytes]:
         "tool_choice": "auto",
         "tools": [],
     }
-    out = [
-        _sse(
-            {"type": "response.created", "sequence_number": 0, "response": response},
-            "response.created",
-        )
+    item = {"type": "message", "id": "msg_1", "status": "in_progress", "role": "assistant"}
+    text = "".join(tokens)
+    part = {"type": "output_text", "text": "", "annotations": []}
+    done_part = {**part, "text": text}
+    done_item = {**item, "status": "completed", "content": [done_part]}
+    where = {"item_id": "msg_1", "output_index": 0, "content_index": 0}
+    bodies: list[dict[str, Any]] = [
+        {"type": "response.created", "response": response},
+        {"type": "response.output_item.added", "output_index": 0, "item": {**item, "content": []}},
+        {"type": "response.content_part.added", **where, "part": part},
+        *(
+            {"type": "response.output_text.delta", **where, "delta": t, "logprobs": []}
+            for t in tokens
+        ),
+        {"type": "response.output_text.done", **where, "text": text, "logprobs": []},
+        {"type": "response.content_part.done", **where, "part": done_part},
+        {"type": "response.output_item.done", "output_index": 0, "item": done_item},
+        {
+            "type": "response.completed",
+            "response": {**response, "status": "completed", "output": [done_item]},
+        },
     ]
-    for i, t in enumerate(tokens):
-        out.append(
-            _sse(
-                {
-                    "type": "response.output_text.delta",
-                    "sequence_number": i + 1,
-                    "item_id": "msg_1",
-                    "output_index": 0,
-                    "content_index": 0,
-                    "delta": t,
-                    "logprobs": [],
-                },
-                "response.output_text.delta",
-            )
-        )
-    done = {**response, "status": "completed"}
-    out.append(
-        _sse(
-            {"type": "response.completed", "sequence_number": len(tokens) + 1, "response": done},
-            "response.completed",
-        )
-    )
-    return out
+    return [_sse({**b, "sequence_number": i}, b["type"]) for i, b in enumerate(bodies)]
 
 
 def _anthropic_events(tokens: list[str]) -> list[bytes]:

@@ -1,0 +1,84 @@
+// An upstream written with Node's own `http` module (no npm packages), for
+// tests/test_upstream_servers.py. Node writes header names as given (Content-Type,
+// Cache-Control) and adds its own: Connection: keep-alive, Keep-Alive: timeout=5,
+// Transfer-Encoding: chunked, Date. It compresses as a typical middleware would: br,
+// else gzip, whichever the request's Accept-Encoding offers (Node 20 has no zstd).
+// Prints {"port": N} once listening on 127.0.0.1.
+"use strict";
+const http = require("http");
+const zlib = require("zlib");
+
+const seen = [];
+
+function pickEncoding(req) {
+  const offered = (req.headers["accept-encoding"] || "").toLowerCase();
+  if (/\bbr\b/.test(offered)) return "br";
+  if (/\bgzip\b/.test(offered)) return "gzip";
+  return null;
+}
+
+function encoder(encoding) {
+  if (encoding === "br") return zlib.createBrotliCompress();
+  if (encoding === "gzip") return zlib.createGzip();
+  return null;
+}
+
+function events() {
+  const out = [];
+  for (let i = 0; i < 3; i++) {
+    const chunk = { object: "chat.completion.chunk", choices: [{ index: 0, delta: { content: `n${i} ` } }] };
+    out.push(`data: ${JSON.stringify(chunk)}\n\n`);
+  }
+  out.push("data: [DONE]\n\n");
+  return out;
+}
+
+function stream(req, res) {
+  const encoding = pickEncoding(req);
+  const head = { "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Upstream": "node" };
+  if (encoding) head["Content-Encoding"] = encoding;
+  res.writeHead(200, head);
+  const z = encoder(encoding);
+  const sink = z || res;
+  if (z) z.pipe(res);
+  const all = events();
+  let i = 0;
+  const next = () => {
+    if (i === all.length) return sink.end();
+    sink.write(all[i++]);
+    // Flush each event as it is written, as an SSE server must.
+    if (z) z.flush(encoding === "br" ? zlib.constants.BROTLI_OPERATION_FLUSH : zlib.constants.Z_SYNC_FLUSH, () => setImmediate(next));
+    else setImmediate(next);
+  };
+  next();
+}
+
+function whole(req, res) {
+  const body = Buffer.from(JSON.stringify({ object: "list", data: [{ id: "node-model" }] }));
+  const encoding = pickEncoding(req);
+  const payload = encoding === "br" ? zlib.brotliCompressSync(body) : encoding === "gzip" ? zlib.gzipSync(body) : body;
+  const head = { "Content-Type": "application/json", "Content-Length": payload.length };
+  if (encoding) head["Content-Encoding"] = encoding;
+  res.writeHead(200, head);
+  res.end(payload);
+}
+
+const server = http.createServer((req, res) => {
+  const chunks = [];
+  req.on("data", (c) => chunks.push(c));
+  req.on("end", () => {
+    if (req.url === "/_stats") {
+      res.writeHead(200, { "Content-Type": "application/json" });
+      res.end(JSON.stringify({ seen }));
+      return;
+    }
+    seen.push({ url: req.url, headers: req.headers, encoding: pickEncoding(req), port: req.socket.remotePort });
+    if (req.url.startsWith("/v1/models")) whole(req, res);
+    else stream(req, res);
+  });
+});
+server.listen(0, "127.0.0.1", () => {
+  process.stdout.write(JSON.stringify({ port: server.address().port }) + "\n");
+});
+process.stdin.on("end", () => process.exit(0)); // the test closes stdin: exit with it
+process.stdin.resume();
