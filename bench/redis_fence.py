@@ -38,7 +38,7 @@ import httpx
 import uvicorn
 from redis.asyncio import Redis
 
-from tests.redis_server import running_redis
+from tests.redis_server import RedisClusterServer, Server, running_cluster, running_redis
 from tests.upstream import ScriptedUpstream, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,17 +114,20 @@ async def proxy_process(upstream: str, *extra: str) -> AsyncIterator[str]:
             proc.wait(15)
 
 
-async def wait_subscribers(redis_url: str, n: int) -> None:
-    # readyz is 200 in fail_open mode before the subscription is live; count listeners.
-    client = Redis.from_url(redis_url)
-    try:
-        deadline = time.monotonic() + 30
-        while (await client.pubsub_numsub("streamfence:0:claims"))[0][1] < n:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the proxies did not subscribe")
-            await asyncio.sleep(0.05)
-    finally:
-        await client.aclose()
+async def wait_subscribers(redis: Server, n: int) -> None:
+    # readyz is 200 in fail_open mode before the subscription is live; count listeners
+    # (in a cluster, each process subscribes on every master).
+    ports = redis.ports if isinstance(redis, RedisClusterServer) else [redis.port]
+    for port in ports:
+        client = Redis(host="127.0.0.1", port=port)
+        try:
+            deadline = time.monotonic() + 30
+            while (await client.pubsub_numsub("streamfence:0:claims"))[0][1] < n:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the proxies did not subscribe")
+                await asyncio.sleep(0.05)
+        finally:
+            await client.aclose()
 
 
 def body(prefix: str, **script: Any) -> dict[str, Any]:
@@ -162,6 +165,39 @@ async def fence_round(
     return latency, answered
 
 
+async def follow_round(
+    upstream: ScriptedUpstream, a: httpx.AsyncClient, b: httpx.AsyncClient, turn: str
+) -> tuple[float, float]:
+    """An attempt streams through `a`; an identical one through `b` follows it. Returns
+    (the follower's first event, from its request sent; a live event's arrival at the
+    follower, from its release upstream)."""
+    headers = {"X-Turn-Id": turn}
+    request = body(turn, gated=True, tokens=4)
+    async with AsyncExitStack() as stack:
+        origin = await stack.enter_async_context(
+            a.stream("POST", CHAT, json=request, headers=headers)
+        )
+        a_chunks = origin.aiter_raw()
+        await anext(a_chunks)
+        seen = next(s for s in reversed(upstream.seen) if s.script.prefix == turn)
+        sent = time.perf_counter()
+        follower = await stack.enter_async_context(
+            b.stream("POST", CHAT, json=request, headers=headers)
+        )
+        assert follower.headers["x-streamfence-source"] == "followed", follower.headers
+        b_chunks = follower.aiter_raw()
+        await anext(b_chunks)
+        first = time.perf_counter() - sent
+        released = time.perf_counter()
+        seen.release(1)
+        await anext(b_chunks)
+        live = time.perf_counter() - released
+        seen.release(10)
+        tails = [c async for c in a_chunks], [c async for c in b_chunks]
+        assert all(b"[DONE]" in b"".join(t) for t in tails)
+    return first, live
+
+
 async def ttfb_once(client: httpx.AsyncClient, turn: str) -> float:
     start = first = time.perf_counter()
     headers = {"X-Turn-Id": turn}
@@ -182,15 +218,15 @@ def describe(values: list[float]) -> str:
     )
 
 
-async def main(rounds: int, ttfb_rounds: int) -> None:
+async def main(rounds: int, ttfb_rounds: int, cluster: bool = False) -> None:
     upstream = ScriptedUpstream()
-    with running_redis() as redis:
+    with running_cluster() if cluster else running_redis() as redis:
         async with serve_upstream(upstream) as up_url, AsyncExitStack() as stack:
             upstream.url = up_url
             ra = await stack.enter_async_context(proxy_process(up_url, "--registry-url", redis.url))
             rb = await stack.enter_async_context(proxy_process(up_url, "--registry-url", redis.url))
             mem = await stack.enter_async_context(proxy_process(up_url))
-            await wait_subscribers(redis.url, 2)
+            await wait_subscribers(redis, 2)
             clients = {
                 name: await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=10))
                 for name, url in (("a", ra), ("b", rb), ("mem", mem), ("direct", up_url))
@@ -211,6 +247,15 @@ async def main(rounds: int, ttfb_rounds: int) -> None:
             # be confirmed (the handshake); compare the retry's own response time.
             print(f"retry answered, other process (redis): {describe([c[1] for c in cross])}")
             print(f"retry answered, same process (memory): {describe([c[1] for c in local])}")
+
+            before_up = len(upstream.seen)
+            remote = [await follow_round(upstream, a, b, f"follow-{i}") for i in range(rounds)]
+            local = [await follow_round(upstream, a, a, f"follow-l-{i}") for i in range(rounds)]
+            assert len(upstream.seen) - before_up == 2 * rounds  # every follower saved one
+            print(f"follower's first event, other process: {describe([r[0] for r in remote])}")
+            print(f"follower's first event, same process:  {describe([r[0] for r in local])}")
+            print(f"live event at the follower, other process: {describe([r[1] for r in remote])}")
+            print(f"live event at the follower, same process:  {describe([r[1] for r in local])}")
 
             ttfb: dict[str, list[float]] = {"direct": [], "mem": [], "a": []}
             before = {name: await added_ttfb(clients[name]) for name in ("mem", "a")}
@@ -234,8 +279,9 @@ def cli() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.redis_fence")
     parser.add_argument("--rounds", type=int, default=100, help="fence measurements")
     parser.add_argument("--ttfb", type=int, default=300, help="ttfb requests per target")
+    parser.add_argument("--cluster", action="store_true", help="a three-master Redis Cluster")
     args = parser.parse_args()
-    asyncio.run(main(args.rounds, args.ttfb))
+    asyncio.run(main(args.rounds, args.ttfb, args.cluster))
 
 
 if __name__ == "__main__":

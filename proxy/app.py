@@ -28,14 +28,14 @@ from starlette.types import Receive as ASGIReceive
 from starlette.types import Scope
 from starlette.types import Send as ASGISend
 
-from proxy import dialects, egress, follow, logs, shutdown, status, tracing, turns
+from proxy import dialects, egress, follow, logs, remote, routing, shutdown, status, tracing, turns
 from proxy.config import Config, UpstreamConfig
 from proxy.errors import BodyTooLarge, NoRoute, StaleRetry, StreamfenceError, Unauthorized
 from proxy.follow import Attempt, Decision, Generations, Policy
 from proxy.generation import Ask, Budget, Generation
 from proxy.logs import Record
 from proxy.metrics import Metrics, scrape_authorized
-from proxy.registry import MemoryRegistry, Registry
+from proxy.registry import Lease, MemoryRegistry, Registry
 from proxy.relay import Exchange, Receive, Send, Subscriber, error_response_parts
 from proxy.routing import RESERVED_PREFIX, Router, request_headers
 from proxy.upstream import UpstreamClient, build_request, create_client, ssl_context_for
@@ -214,18 +214,52 @@ class ProxyEndpoint:
             raise StaleRetry(decision.replaced_by)
         beside = decision.action == follow.BESIDE
         keyed = turn is not None and not beside
+        retired = _retired(decision.generation)
+        ask = self._ask(up, route, record, turn, headers, body, keyed=keyed, retired=retired)
+        assert rt.generations is not None
+        lease = None
+        publish = ask.followable and ask.body_hash is not None and rt.generations.log is not None
+        if decision.action == follow.NEW and publish:
+            answer = await self._claim_or_follow(up, ask, last_event_id)
+            if isinstance(answer, tuple):  # the generation of another process, followed
+                generation, how, cursor = answer
+                record.source = how
+                return generation, Exchange(record.dialect, short, how, cursor, own, write_timeout)
+            if answer is None:  # beside it: fences nobody, fenced by nobody
+                decision = Decision(follow.BESIDE, how="beside")
+                ask = self._ask(up, route, record, turn, headers, body, keyed=False, trace=False)
+            else:
+                lease = answer
+        record.source = decision.how
+        generation = rt.generations.start(ask, lease)
+        rt.metrics.generations.labels(up.name).inc()
+        return generation, Exchange(record.dialect, short, decision.how, 0, own, write_timeout)
+
+    def _ask(
+        self,
+        up: UpstreamConfig,
+        route: routing.Route,
+        record: Record,
+        turn: turns.TurnKey | None,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        *,
+        keyed: bool,
+        trace: bool = True,
+        retired: frozenset[str] = frozenset(),
+    ) -> Ask:
         stamp = keyed and (
             up.event_ids == "always" or (up.event_ids == "auto" and record.dialect == dialects.SSE)
         )
         # The proxy's own event ids replace the upstream's: a Last-Event-ID is one of ours.
-        drop = rt.drop_headers | {LAST_EVENT_ID} if stamp else rt.drop_headers
+        drop = self.rt.drop_headers | {LAST_EVENT_ID} if stamp else self.rt.drop_headers
         out_headers = request_headers(headers, drop)
         if not any(n == REQUEST_ID_HEADER for n, _ in out_headers):
             out_headers.append((REQUEST_ID_HEADER, record.request_id.encode()))
-        if rt.tracer is not None:  # the request's span; upstream gets its traceparent
-            out_headers = rt.tracer.start(record, headers, out_headers)
+        if trace and self.rt.tracer is not None:  # the request's span; upstream gets its
+            out_headers = self.rt.tracer.start(record, headers, out_headers)  # traceparent
         followable = keyed and up.on_retry != "supersede"
-        ask = Ask(
+        return Ask(
             request=build_request(record.method, route.url, out_headers, body, up),
             upstream=up.name,
             key=turn.key if keyed and turn is not None else None,
@@ -236,13 +270,31 @@ class ProxyEndpoint:
             stamp_ids=stamp,
             followable=followable,
             retain_for=up.replay_window if followable else 0.0,
-            retired=_retired(decision.generation),
+            retired=retired,
         )
-        record.source = decision.how
-        assert rt.generations is not None
-        generation = rt.generations.start(ask)
-        rt.metrics.generations.labels(up.name).inc()
-        return generation, Exchange(record.dialect, short, decision.how, 0, own, write_timeout)
+
+    async def _claim_or_follow(
+        self, up: UpstreamConfig, ask: Ask, last_event_id: bytes | None
+    ) -> Lease | tuple[Generation, str, int] | None:
+        """No generation of the turn here: claim it, or follow (or go beside) its
+        generation in another process, in one step in Redis (`proxy.remote`). Returns the
+        lease, the followed generation with how and where it is followed, or None: beside."""
+        from proxy.registry.redis import Follow, RedisRegistry  # noqa: PLC0415
+
+        generations, registry = self.rt.generations, self.rt.registry
+        assert generations is not None and isinstance(registry, RedisRegistry)
+        assert ask.key is not None and ask.body_hash is not None
+        policy = self.rt.policies[up.name]
+        answer = await registry.claim_or_follow(
+            ask.key, ask.body_hash, ask.streaming, policy.healthy_within, policy.on_retry == "join"
+        )
+        if isinstance(answer, Lease):
+            return answer
+        if not isinstance(answer, Follow):
+            return None
+        cursor = remote.cursor_after(answer, last_event_id)
+        generation = generations.follow_remote(ask, answer)
+        return generation, "followed" if cursor is None else "resumed", cursor or 0
 
     def _decide(
         self, up: UpstreamConfig, turn: turns.TurnKey | None, last_event_id: bytes | None
@@ -317,7 +369,8 @@ def create_app(
             egress.plan(config, os.environ),
             ssl_context_for(config.server.ca_bundle, os.environ),
         )
-        runtime.generations = Generations(runtime.client, runtime.registry, runtime.budget)
+        log = runtime.registry.generation_log() if config.registry.follow_across else None
+        runtime.generations = Generations(runtime.client, runtime.registry, runtime.budget, log)
         await runtime.registry.start()
         drain = shutdown.Drain(runtime.active, config.server.shutdown_grace)
         drain.install()  # on SIGTERM: streams still running after the grace get an error event

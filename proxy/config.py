@@ -75,6 +75,9 @@ class RegistryConfig:
     url: str = "redis://127.0.0.1:6379/0"
     on_unavailable: str = "fail_open"
     lease_ttl: float = 3600.0
+    # Publish followable generations to Redis, so that an identical request on another
+    # process follows them (proxy/remote.py) instead of starting its own.
+    follow_across: bool = True
 
 
 @dataclass(frozen=True)
@@ -352,8 +355,13 @@ def _check(config: Config) -> list[str]:
         "redis",
         "rediss",
         "unix",
+        "redis+cluster",
+        "rediss+cluster",
     ):
-        problems.append("registry.url: must be a redis://, rediss:// or unix:// URL")
+        problems.append(
+            "registry.url: must be a redis://, rediss:// or unix:// URL "
+            "(redis+cluster:// or rediss+cluster:// for a Redis Cluster)"
+        )
     traces = urlsplit(config.tracing.endpoint)
     if config.tracing.endpoint and (traces.scheme not in ("http", "https") or not traces.netloc):
         problems.append("tracing.endpoint: must be an http:// or https:// URL")

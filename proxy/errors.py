@@ -13,6 +13,8 @@ one place, in the caller's dialect.
     ├── Superseded                 409   stream_superseded (a newer attempt of the turn won)
     │   └── StaleRetry             409   stream_superseded (a retry of an attempt already replaced)
     ├── RegistryUnavailable        503   registry_unavailable (fail_closed only)
+    ├── GenerationLost             502   generation_lost   (a followed generation's log ended
+    │                                                       without its end: writer gone, ...)
     ├── ShuttingDown               503   shutting_down
     └── UpstreamError              502   upstream_error
         ├── UpstreamConnectError   502   upstream_unreachable
@@ -91,6 +93,24 @@ class RegistryUnavailable(StreamfenceError):
     status = 503
     code = "registry_unavailable"
     retryable = True
+
+
+class GenerationLost(StreamfenceError):
+    """A generation followed through the shared log cannot be read to its end.
+
+    `reason`: "writer_gone" (its process stopped sending heartbeats), "lost" (Redis lost
+    the log: restarted or evicted), "trimmed" (the events asked for are no longer kept),
+    "not_found" (no such log), "unavailable" (Redis unreachable). A retry is the remedy:
+    it starts (or follows) a newer generation.
+    """
+
+    status = 502
+    code = "generation_lost"
+    retryable = True
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class ShuttingDown(StreamfenceError):

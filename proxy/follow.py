@@ -16,11 +16,15 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from proxy.generation import Ask, Budget, Generation
-from proxy.registry import Registry
+from proxy.registry import Lease, Registry
 from proxy.upstream import UpstreamClient
+
+if TYPE_CHECKING:
+    from proxy.registry.genlog import GenerationLog
+    from proxy.registry.redis import Follow
 
 NEW: Final = "new"
 FOLLOW: Final = "follow"
@@ -62,8 +66,8 @@ class Decision:
 
 
 def decide(live: Generation | None, attempt: Attempt, policy: Policy, now: float) -> Decision:
-    if live is None or live.fenced or attempt.body_hash is None:
-        return Decision(NEW)
+    if live is None or live.fenced or live.closing or attempt.body_hash is None:
+        return Decision(NEW)  # (closing: its last client left; its upstream is going)
     ask = live.ask
     identical = ask.body_hash == attempt.body_hash
     if not identical and attempt.body_hash in ask.retired:
@@ -92,10 +96,17 @@ def decide(live: Generation | None, attempt: Attempt, policy: Policy, now: float
 class Generations:
     """The live generations of one process, by turn key, under one byte budget."""
 
-    def __init__(self, client: UpstreamClient, registry: Registry | None, budget: Budget) -> None:
+    def __init__(
+        self,
+        client: UpstreamClient,
+        registry: Registry | None,
+        budget: Budget,
+        log: GenerationLog | None = None,
+    ) -> None:
         self.client = client
         self.registry = registry
         self.budget = budget
+        self.log = log  # where followable generations are published (other processes)
         self._live: dict[str, Generation] = {}
         # The final event id of recently completed generations (id-stamped ones only): a
         # resume from there has nothing left to receive (EventSource reconnects after the end).
@@ -122,10 +133,26 @@ class Generations:
         ended, retired, attempt = entry
         return attempt if now - ended < RETIRED_SECONDS and body_hash in retired else None
 
-    def start(self, ask: Ask) -> Generation:
-        generation = Generation(ask, self.client, self.registry, self.budget, self._ended)
+    def start(self, ask: Ask, lease: Lease | None = None) -> Generation:
+        """A new generation of `ask` (`lease`: its turn claimed already)."""
+        generation = Generation(
+            ask, self.client, self.registry, self.budget, self._ended, log=self.log, lease=lease
+        )
         if ask.followable and ask.key is not None:
             self._live[ask.key] = generation
+        return generation
+
+    def follow_remote(self, ask: Ask, current: Follow) -> Generation:
+        """Follow the turn's generation in another process, through its log; later
+        identical requests here follow this one."""
+        from proxy.registry.redis import RedisRegistry  # noqa: PLC0415
+        from proxy.remote import RemoteGeneration  # noqa: PLC0415 - the Redis backend only
+
+        assert isinstance(self.registry, RedisRegistry) and ask.key is not None
+        generation = RemoteGeneration(
+            ask, current, self.registry, self.client, self.budget, self._ended
+        )
+        self._live[ask.key] = generation
         return generation
 
     def _ended(self, generation: Generation) -> None:

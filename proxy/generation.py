@@ -17,11 +17,12 @@ still in the buffer stay under the fence.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
@@ -30,7 +31,11 @@ from proxy.errors import StreamfenceError, UpstreamError
 from proxy.registry import Lease, Registry
 from proxy.upstream import UpstreamClient
 
+if TYPE_CHECKING:
+    from proxy.registry.genlog import GenerationLog, LogWriter
+
 log = logging.getLogger("streamfence")
+HEARTBEAT = 1.0  # how often a generation with no client here recounts remote readers
 
 
 class Watcher(Protocol):
@@ -91,8 +96,14 @@ class Generation:
         registry: Registry | None,
         budget: Budget,
         on_end: Callable[[Generation], None] = lambda g: None,
+        log: GenerationLog | None = None,
+        lease: Lease | None = None,
     ) -> None:
         self.ask = ask
+        self._claimed = lease  # the turn was claimed before (with its log: claim_or_follow)
+        # Published to Redis for followers in other processes (`proxy.remote`), if given.
+        self._log = log
+        self.writer: LogWriter | None = None
         self._client, self._registry, self._budget, self._on_end = client, registry, budget, on_end
         self.followable = ask.followable
         self.lease: Lease | None = None
@@ -101,6 +112,7 @@ class Generation:
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self.is_sse = False
         self.fenced_at: float | None = None  # when a newer generation's claim fenced this one
+        self.closing = False  # its upstream is being closed for want of clients: not followable
         self.error: StreamfenceError | None = None
         self.events: list[bytes] = []  # events[i] is event number base + i + 1
         self.base = 0
@@ -161,10 +173,18 @@ class Generation:
         ask = self.ask
         try:
             if ask.key is not None and self._registry is not None:
-                self.lease = await self._registry.claim(ask.key)
+                self.lease = self._claimed or await self._registry.claim(ask.key)
                 self.lease.on_superseded(self._superseded)
                 if self.fenced:
                     return
+                if self._log is not None and self.followable and self.lease.token > 0:
+                    self.writer = self._log.writer(
+                        ask.key,
+                        self.lease.token,
+                        body_hash=ask.body_hash or "",
+                        streaming=ask.streaming,
+                        opened=self._claimed is not None,
+                    )
             self.forwarded_at = time.perf_counter()
             self.response = await self._client.send(ask.request, ask.upstream)
             self.headers_at = time.perf_counter()
@@ -172,6 +192,9 @@ class Generation:
             self.status = self.response.status_code
             self.raw_headers = self.response.headers.raw
             self.is_sse = upstream.is_event_stream(self.response)
+            if self.writer is not None:
+                pairs = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in self.raw_headers]
+                self.writer.started(self.status, pairs)
             self.headers_ready.set()
             if self.is_sse:
                 self.completed = await upstream.read_events(
@@ -189,6 +212,11 @@ class Generation:
             self.headers_ready.set()
             self._wake()
             self.finished.set()
+            if self.writer is not None:
+                outcome = (
+                    "superseded" if self.fenced else "completed" if self.completed else "failed"
+                )
+                _spawn(self.writer.end(outcome))
             if self.retained and self.completed and not self.fenced:
                 loop = asyncio.get_running_loop()
                 self._expiry = loop.call_later(self.ask.retain_for, self._unretain)
@@ -211,6 +239,8 @@ class Generation:
             events = [with_id(e, self.event_id(first + i)) for i, e in enumerate(events)]
         before = self.base + len(self.events)
         self.events += events
+        if self.writer is not None:
+            self.writer.append(events)
         added = len(events[0]) if len(events) == 1 else sum(map(len, events))
         self.size += added
         budget = self._budget
@@ -317,6 +347,50 @@ class Generation:
                 self._trim()
             return
         if not self.done:
+            if self.writer is not None and not self.writer.broken:
+                # Other processes may read it: they decide, in the background (no await
+                # here, where a local twin could attach meanwhile).
+                _spawn(self._close_unless_read_elsewhere())
+                return
+            self.closing = True
+            self._task.cancel()
+        await asyncio.shield(self.finished.wait())
+        if not self.retained:
+            await self.end()
+
+    async def _remote_readers(self) -> int:
+        writer = self.writer
+        if writer is None or writer.broken:
+            return 0
+        if writer.readers:
+            return writer.readers
+        try:  # a reader may have registered since the writer last counted; if none has,
+            # the log is ended in the same step, so that none can start following it now
+            return await writer.log.readers(writer.key, writer.token, close_if_none=True)
+        except StreamfenceError:
+            return 0
+
+    async def _close_unless_read_elsewhere(self) -> None:
+        """No client here: the upstream stays open while other processes read the log,
+        and closes once none does (readers are counted with a TTL: a crashed process's
+        stop counting within a few seconds)."""
+        try:
+            while True:
+                readers = await self._remote_readers()
+                if self._watchers:  # a client here again: the last one to leave decides
+                    if not readers and self.writer is not None:
+                        _spawn(self.writer.log.reopen(self.writer.key, self.writer.token))
+                    return
+                if self.done or not readers:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self.finished.wait()), HEARTBEAT)
+        except Exception:  # whatever went wrong, the upstream and the lease must not leak
+            log.exception("streamfence: counting a generation's readers elsewhere failed")
+        if self._watchers:
+            return
+        if not self.done:
+            self.closing = True
             self._task.cancel()
         if not self.finished.is_set():
             await self.finished.wait()  # the subscriber calls this shielded
@@ -336,9 +410,7 @@ class Generation:
 
     def _release_later(self) -> None:
         if self.done and not self._ended:
-            task = asyncio.get_running_loop().create_task(self.end())
-            _background.add(task)
-            task.add_done_callback(_background.discard)
+            _spawn(self.end())
 
     def headers_error(self) -> StreamfenceError:
         """Why there is no response to send (called once headers_ready is set)."""
@@ -346,3 +418,9 @@ class Generation:
 
 
 _background: set[asyncio.Task[None]] = set()
+
+
+def _spawn(coro: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.get_running_loop().create_task(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)

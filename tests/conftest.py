@@ -11,6 +11,12 @@ import pytest
 
 from proxy.app import Runtime, create_app
 from proxy.config import load
+from tests.redis_server import (  # noqa: F401 - fixtures: a Redis server, or a cluster
+    redis_server,
+    restartable_redis,
+    shared_cluster,
+    single_redis,
+)
 from tests.upstream import ScriptedUpstream, serve
 
 

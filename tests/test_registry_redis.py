@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -21,11 +21,18 @@ from typing import Any
 import httpx
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from proxy.config import ConfigError, RegistryConfig, load
 from proxy.registry.redis import ACK_WAIT, RedisRegistry
 from tests.conftest import Proxy, ProxyFactory
-from tests.redis_server import REDIS_SERVER, RedisServer, running_redis
+from tests.redis_server import (
+    REDIS_SERVER,
+    RedisClusterServer,
+    RedisServer,
+    Server,
+    redis_client,
+)
 from tests.sse_client import Event, chat_body, events, open_stream
 from tests.upstream import ScriptedUpstream, Seen, free_port
 
@@ -37,28 +44,28 @@ CHAT = "/v1/chat/completions"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    with running_redis() as server:
-        yield server
+async def _subscribers(server: Server, channel: str = "streamfence:0:claims") -> list[int]:
+    """Subscribers of `channel` on each node (in a cluster, each process subscribes on
+    every master)."""
+    ports = server.ports if isinstance(server, RedisClusterServer) else [server.port]
+    counts = []
+    for port in ports:
+        node = Redis(host="127.0.0.1", port=port)
+        try:
+            [(_, count)] = await node.pubsub_numsub(channel)
+            counts.append(int(count))
+        finally:
+            await node.aclose()
+    return counts
 
 
-@asynccontextmanager
-async def redis_client(server: RedisServer) -> AsyncIterator[Redis]:
-    client = Redis.from_url(server.url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
-
-
-def _redis_overrides(server: RedisServer, **extra: Any) -> dict[str, Any]:
+def _redis_overrides(server: Server, **extra: Any) -> dict[str, Any]:
     return {"registry.backend": "redis", "registry.url": server.url, **extra}
 
 
 @asynccontextmanager
 async def redis_proxy(
-    make_proxy: ProxyFactory, upstream: ScriptedUpstream, server: RedisServer, **extra: Any
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, server: Server, **extra: Any
 ) -> AsyncIterator[Proxy]:
     async with make_proxy(upstream.url, **_redis_overrides(server, **extra)) as proxy:
         registry = proxy.runtime.registry
@@ -129,7 +136,7 @@ class ProxyProcess:
 
 @asynccontextmanager
 async def proxy_processes(
-    n: int, upstream: ScriptedUpstream, server: RedisServer, tmp_path: Path, **env: str
+    n: int, upstream: ScriptedUpstream, server: Server, tmp_path: Path, **env: str
 ) -> AsyncIterator[list[ProxyProcess]]:
     procs = [
         ProxyProcess(upstream.url, server.url, tmp_path / f"proxy-{i}.log", **env) for i in range(n)
@@ -143,15 +150,13 @@ async def proxy_processes(
             p.stop()
 
 
-async def _wait_subscribers(server: RedisServer, n: int) -> None:
+async def _wait_subscribers(server: Server, n: int) -> None:
     """Until n processes listen for claims (readyz does not say so in fail_open mode)."""
-    async with redis_client(server) as r:
 
-        async def subscribed() -> bool:
-            [(_, count)] = await r.pubsub_numsub("streamfence:0:claims")
-            return bool(count == n)
+    async def subscribed() -> bool:
+        return all(count == n for count in await _subscribers(server))
 
-        await _until(subscribed, within=20)
+    await _until(subscribed, within=20)
 
 
 def _superseded(event: Event) -> bool:
@@ -226,7 +231,7 @@ async def _fence_once(
 
 
 async def test_claims_fence_across_registries_and_stale_release_keeps_the_newer(
-    redis_server: RedisServer,
+    redis_server: Server,
 ) -> None:
     config = RegistryConfig(backend="redis", url=redis_server.url)
     a, b = RedisRegistry(config), RedisRegistry(config)
@@ -265,8 +270,41 @@ async def test_claims_fence_across_registries_and_stale_release_keeps_the_newer(
         await b.close()
 
 
+async def test_tokens_never_repeat_for_a_key_even_after_redis_loses_its_data(
+    redis_server: Server,
+) -> None:
+    """The counter (one per server; one per slot in a cluster) is floored by Redis's
+    clock, so a Redis that comes back empty still hands out larger tokens."""
+    registry = RedisRegistry(RegistryConfig(backend="redis", url=redis_server.url))
+    await registry.start()
+    try:
+        keys = [f"t{i}" for i in range(40)]
+        first = {k: await registry.claim(k) for k in keys}
+        again = {k: await registry.claim(k) for k in keys}
+        assert all(again[k].token > first[k].token for k in keys)
+        async with redis_client(redis_server) as r:
+            await r.flushall()  # every node: as a restart without persistence
+        after = {k: await registry.claim(k) for k in keys}
+        assert all(after[k].token > again[k].token for k in keys)
+        assert all(after[k].attempt == 1 for k in keys)  # the entries went with the data
+        for lease in [*first.values(), *again.values(), *after.values()]:
+            await registry.release(lease)
+        if isinstance(redis_server, RedisClusterServer):
+            # The turns' entries and counters spread over the masters: no single hot node.
+            keys_per_node = []
+            for port in redis_server.ports:
+                node = Redis(host="127.0.0.1", port=port)
+                try:
+                    keys_per_node.append(await node.dbsize())
+                finally:
+                    await node.aclose()
+            assert sum(1 for n in keys_per_node if n > 0) == 3, keys_per_node
+    finally:
+        await registry.close()
+
+
 async def test_a_newer_claim_heard_before_the_own_reply_still_fences(
-    redis_server: RedisServer,
+    redis_server: Server,
 ) -> None:
     """The subscription and the claim reply travel on different connections: a newer
     claim of another process can be heard first. It must still fence this one."""
@@ -289,9 +327,9 @@ async def test_a_newer_claim_heard_before_the_own_reply_still_fences(
 
 
 async def test_entries_outlive_the_ttl_while_held_and_missed_claims_are_caught_up(
-    redis_server: RedisServer,
+    redis_server: Server,
 ) -> None:
-    ttl = 0.3
+    ttl = 0.6  # refreshed every ttl/3: a loaded CI machine must not stall the loop for a ttl
     config = RegistryConfig(backend="redis", url=redis_server.url, lease_ttl=ttl)
     registry = RedisRegistry(config)
     await registry.start()
@@ -320,7 +358,7 @@ async def test_entries_outlive_the_ttl_while_held_and_missed_claims_are_caught_u
 
 
 async def test_a_retry_goes_ahead_when_the_older_attempts_process_does_not_answer(
-    redis_server: RedisServer,
+    redis_server: Server,
 ) -> None:
     config = RegistryConfig(backend="redis", url=redis_server.url)
     gone, alive, third = (RedisRegistry(config) for _ in range(3))
@@ -338,10 +376,10 @@ async def test_a_retry_goes_ahead_when_the_older_attempts_process_does_not_answe
         waited = time.perf_counter() - started
         assert new.attempt == 2 and not new.superseded and not old.superseded
         assert ACK_WAIT <= waited < 1.0
-        assert old.token not in alive._acked
+        assert (old.key, old.token) not in alive._acked
         # A process that does answer: the claim returns on its confirmation, not the timeout.
         newer = await third.claim("k")
-        assert new.token in third._acked
+        assert (new.key, new.token) in third._acked
         assert new.superseded and newer.attempt == 3
         for registry, lease in ((gone, old), (alive, new), (third, newer)):
             await registry.release(lease)
@@ -351,7 +389,7 @@ async def test_a_retry_goes_ahead_when_the_older_attempts_process_does_not_answe
 
 
 async def test_a_claim_cancelled_after_redis_ran_it_leaves_no_entry(
-    redis_server: RedisServer,
+    redis_server: Server,
 ) -> None:
     registry = RedisRegistry(RegistryConfig(backend="redis", url=redis_server.url))
     await registry.start()
@@ -364,7 +402,7 @@ async def test_a_claim_cancelled_after_redis_ran_it_leaves_no_entry(
                 await claim
 
             async def settled() -> bool:
-                ran = await r.exists("streamfence:token") == 1
+                ran = await r.exists(registry.keys.counter("gone")) == 1
                 return ran and not registry._background
 
             await _until(settled)
@@ -376,7 +414,7 @@ async def test_a_claim_cancelled_after_redis_ran_it_leaves_no_entry(
 
 
 async def test_no_event_of_an_older_attempt_starts_after_a_retry_elsewhere_is_accepted(
-    upstream: ScriptedUpstream, redis_server: RedisServer, make_proxy: ProxyFactory
+    upstream: ScriptedUpstream, redis_server: Server, make_proxy: ProxyFactory
 ) -> None:
     """CONTRACT 2.1 across processes: the retry's claim returns only once the process of
     the attempt it replaces has fenced it. Without that handshake a few percent of these
@@ -399,7 +437,7 @@ async def test_no_event_of_an_older_attempt_starts_after_a_retry_elsewhere_is_ac
 
 
 async def test_a_retry_waits_for_a_slow_process_to_fence_its_older_attempt(
-    upstream: ScriptedUpstream, redis_server: RedisServer, make_proxy: ProxyFactory
+    upstream: ScriptedUpstream, redis_server: Server, make_proxy: ProxyFactory
 ) -> None:
     """The same, made deterministic: the old attempt's process hears every claim 20 ms
     late (a busy event loop). The retry must not be forwarded before that process has
@@ -412,10 +450,11 @@ async def test_a_retry_waits_for_a_slow_process_to_fence_its_older_attempt(
     ):
         registry = pa.runtime.registry
         assert isinstance(registry, RedisRegistry)
-        hear = registry._on_message
+        subscriber = registry._subscriber
+        hear = subscriber.on_message
         loop = asyncio.get_running_loop()
         delay = ACK_WAIT / 2.5
-        registry._on_message = lambda m: loop.call_later(delay, hear, m)  # type: ignore[method-assign]
+        subscriber.on_message = lambda m: loop.call_later(delay, hear, m)  # type: ignore[func-returns-value]
         for i in range(5):
             await _fence_once(a, b, upstream, f"slow-{i}")
 
@@ -424,7 +463,7 @@ async def test_a_retry_waits_for_a_slow_process_to_fence_its_older_attempt(
 
 
 async def test_attempt_on_one_process_is_fenced_by_a_retry_on_another(
-    upstream: ScriptedUpstream, redis_server: RedisServer, tmp_path: Path
+    upstream: ScriptedUpstream, redis_server: Server, tmp_path: Path
 ) -> None:
     async with proxy_processes(2, upstream, redis_server, tmp_path) as (pa, pb):
         async with pa.client() as a, pb.client() as b:
@@ -436,13 +475,13 @@ async def test_attempt_on_one_process_is_fenced_by_a_retry_on_another(
 
 
 async def test_keys_expire_after_a_process_is_killed(
-    upstream: ScriptedUpstream, redis_server: RedisServer, tmp_path: Path
+    upstream: ScriptedUpstream, single_redis: RedisServer, tmp_path: Path
 ) -> None:
     ttl = 1.0
     env = {"STREAMFENCE_REGISTRY_LEASE_TTL": str(ttl)}
     async with (
-        redis_client(redis_server) as r,
-        proxy_processes(2, upstream, redis_server, tmp_path, **env) as (pa, pb),
+        redis_client(single_redis) as r,
+        proxy_processes(2, upstream, single_redis, tmp_path, **env) as (pa, pb),
     ):
         await r.config_set("notify-keyspace-events", "Ex")
         expired = r.pubsub()
@@ -451,8 +490,8 @@ async def test_keys_expire_after_a_process_is_killed(
             # Both streams stay open (their readers referenced) until the process dies.
             a_resp, a_events = await _open_gated(stack, a, "crash", "A")
             _, a2_events = await _open_gated(stack, a, "crash-2", "A2")
-            entry = "streamfence:turn:" + a_resp.headers["x-streamfence-turn"]
-            [entry_b] = [k async for k in r.scan_iter(match=entry + "*")]
+            entry = "streamfence:{" + a_resp.headers["x-streamfence-turn"]
+            [entry_b] = [k async for k in r.scan_iter(match=entry + "*}:turn")]
             # A long stream keeps its entry: the process refreshes it within the TTL.
             await asyncio.sleep(ttl * 2)
             assert await r.exists(entry_b) == 1
@@ -482,10 +521,16 @@ def test_registry_config_is_checked() -> None:
         load(env={}, overrides={**base, "registry.url": "http://x", "registry.lease_ttl": 0})
     assert bad.value.problems == [
         "registry.lease_ttl: must be positive (seconds)",
-        "registry.url: must be a redis://, rediss:// or unix:// URL",
+        "registry.url: must be a redis://, rediss:// or unix:// URL "
+        "(redis+cluster:// or rediss+cluster:// for a Redis Cluster)",
     ]
     ok = load(env={}, overrides={**base, "registry.url": "rediss://:pw@h:6380/2"})
-    assert RedisRegistry(ok.registry).channel == "streamfence:2:claims"
+    single = RedisRegistry(ok.registry)
+    assert single.channel == "streamfence:2:claims" and not single.keys.cluster
+    ok = load(env={}, overrides={**base, "registry.url": "redis+cluster://h:7000"})
+    cluster = RedisRegistry(ok.registry)
+    assert cluster.channel == "streamfence:0:claims" and cluster.keys.cluster
+    assert isinstance(cluster._client, RedisCluster)
 
 
 def test_workers_need_a_shared_registry() -> None:
@@ -503,13 +548,13 @@ def test_workers_need_a_shared_registry() -> None:
 
 
 async def test_two_workers_share_the_redis_registry(
-    upstream: ScriptedUpstream, redis_server: RedisServer, tmp_path: Path
+    upstream: ScriptedUpstream, single_redis: RedisServer, tmp_path: Path
 ) -> None:
     """Whichever worker each connection lands on, a retry fences the older attempt."""
-    proc = ProxyProcess(upstream.url, redis_server.url, tmp_path / "w.log", "--workers", "2")
+    proc = ProxyProcess(upstream.url, single_redis.url, tmp_path / "w.log", "--workers", "2")
     try:
         await proc.ready()
-        await _wait_subscribers(redis_server, 2)
+        await _wait_subscribers(single_redis, 2)
         # Separate clients: separate connections, spread by the kernel over the workers.
         for i in range(4):
             async with proc.client() as a, proc.client() as b:
@@ -553,17 +598,17 @@ async def _wait_ready(*proxies: Proxy) -> None:
 
 
 async def test_redis_down_fail_open_forwards_unfenced_then_fencing_resumes(
-    upstream: ScriptedUpstream, redis_server: RedisServer, make_proxy: ProxyFactory
+    upstream: ScriptedUpstream, restartable_redis: Server, make_proxy: ProxyFactory
 ) -> None:
     async with (
-        redis_proxy(make_proxy, upstream, redis_server) as pa,
-        redis_proxy(make_proxy, upstream, redis_server) as pb,
+        redis_proxy(make_proxy, upstream, restartable_redis) as pa,
+        redis_proxy(make_proxy, upstream, restartable_redis) as pb,
         pa.client() as a,
         pb.client() as b,
         AsyncExitStack() as stack,
     ):
         _, a_events = await _open_gated(stack, a, "down", "before")
-        redis_server.kill()
+        restartable_redis.kill()
         await _wait_unsubscribed(pa, pb)
         # Still serving (unfenced), so still ready: availability first.
         assert (await a.get("/_streamfence/readyz")).status_code == 200
@@ -583,7 +628,7 @@ async def test_redis_down_fail_open_forwards_unfenced_then_fencing_resumes(
             in (await a.get("/_streamfence/metrics")).text
         )
 
-        await redis_server.astart()
+        await restartable_redis.astart()
         await _wait_resubscribed(pa, pb)
         await _fence_once(a, b, upstream, "after")
         await _fence_once(b, a, upstream, "after-2")
@@ -591,18 +636,18 @@ async def test_redis_down_fail_open_forwards_unfenced_then_fencing_resumes(
 
 
 async def test_redis_down_fail_closed_refuses_keyed_requests_then_fencing_resumes(
-    upstream: ScriptedUpstream, redis_server: RedisServer, make_proxy: ProxyFactory
+    upstream: ScriptedUpstream, restartable_redis: Server, make_proxy: ProxyFactory
 ) -> None:
     closed = {"registry.on_unavailable": "fail_closed"}
     async with (
-        redis_proxy(make_proxy, upstream, redis_server, **closed) as pa,
-        redis_proxy(make_proxy, upstream, redis_server, **closed) as pb,
+        redis_proxy(make_proxy, upstream, restartable_redis, **closed) as pa,
+        redis_proxy(make_proxy, upstream, restartable_redis, **closed) as pb,
         pa.client() as a,
         pb.client() as b,
         AsyncExitStack() as stack,
     ):
         _, a_events = await _open_gated(stack, a, "down", "inflight")
-        redis_server.kill()
+        restartable_redis.kill()
         await _wait_unsubscribed(pa, pb)
         assert (await a.get("/_streamfence/readyz")).status_code == 503
         before = len(upstream.seen)
@@ -619,7 +664,7 @@ async def test_redis_down_fail_closed_refuses_keyed_requests_then_fencing_resume
         rest = await asyncio.wait_for(_collect(a_events), 5)
         assert rest[-1].data == "[DONE]" and not any(e.is_error for e in rest)
 
-        await redis_server.astart()
+        await restartable_redis.astart()
         await _wait_resubscribed(pa, pb)
         # The first claims after the restart succeed: stale pooled connections are redialled.
         await _fence_once(b, a, upstream, "after")
@@ -628,15 +673,15 @@ async def test_redis_down_fail_closed_refuses_keyed_requests_then_fencing_resume
 
 
 async def test_started_while_redis_is_down_it_becomes_ready_when_redis_comes(
-    upstream: ScriptedUpstream, redis_server: RedisServer, make_proxy: ProxyFactory
+    upstream: ScriptedUpstream, restartable_redis: Server, make_proxy: ProxyFactory
 ) -> None:
-    redis_server.kill()
-    overrides = _redis_overrides(redis_server, **{"registry.on_unavailable": "fail_closed"})
+    restartable_redis.kill()
+    overrides = _redis_overrides(restartable_redis, **{"registry.on_unavailable": "fail_closed"})
     async with make_proxy(upstream.url, **overrides) as proxy, proxy.client() as client:
         assert (await client.get("/_streamfence/readyz")).status_code == 503
         refused = await client.post(CHAT, json=chat_body(stream=False), headers={"X-Turn-Id": "t"})
         assert refused.status_code == 503
-        await redis_server.astart()
+        await restartable_redis.astart()
         await _wait_ready(proxy)
         served = await client.post(CHAT, json=chat_body(stream=False), headers={"X-Turn-Id": "t"})
         assert served.status_code == 200 and served.headers["x-streamfence-attempt"] == "1"
@@ -701,18 +746,18 @@ async def _stress(clients: list[httpx.AsyncClient], upstream: ScriptedUpstream, 
     assert len(upstream.seen) == turns + supersedes
 
 
-async def _no_entries_left(server: RedisServer) -> None:
+async def _no_entries_left(server: Server) -> None:
     async with redis_client(server) as r:
 
         async def empty() -> bool:
-            return [k async for k in r.scan_iter(match="streamfence:turn:*")] == []
+            return [k async for k in r.scan_iter(match="streamfence:{*}:turn")] == []
 
         await _until(empty)  # releases run just after each response's last byte
 
 
 @pytest.mark.stress
 async def test_stress_supersedes_spread_over_two_proxies(
-    upstream: ScriptedUpstream, redis_server: RedisServer, make_proxy: ProxyFactory
+    upstream: ScriptedUpstream, redis_server: Server, make_proxy: ProxyFactory
 ) -> None:
     """200 turns, each superseded once or twice, attempts alternating between two apps
     with registries of their own (one event loop: their insides can be checked)."""
@@ -734,10 +779,10 @@ async def test_stress_supersedes_spread_over_two_proxies(
 
 @pytest.mark.stress
 async def test_stress_supersedes_spread_over_two_processes(
-    upstream: ScriptedUpstream, redis_server: RedisServer, tmp_path: Path
+    upstream: ScriptedUpstream, single_redis: RedisServer, tmp_path: Path
 ) -> None:
     """The same across two `python -m proxy` processes."""
-    async with proxy_processes(2, upstream, redis_server, tmp_path) as (pa, pb):
+    async with proxy_processes(2, upstream, single_redis, tmp_path) as (pa, pb):
         async with pa.client() as a, pb.client() as b:
             await _stress([a, b], upstream, turns=120)
-        await _no_entries_left(redis_server)
+        await _no_entries_left(single_redis)

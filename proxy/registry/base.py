@@ -11,6 +11,10 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from proxy.registry.genlog import GenerationLog
 
 
 class Lease:
@@ -77,3 +81,7 @@ class Registry(ABC):
 
     async def ready(self) -> bool:
         return True
+
+    def generation_log(self) -> GenerationLog | None:
+        """Where generations are published for followers in other processes (None: nowhere)."""
+        return None

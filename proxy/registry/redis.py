@@ -9,12 +9,13 @@ once the replaced attempt's process has confirmed (or after ACK_WAIT, if it is g
 as within one process, no event of the older attempt is started after the newer one is
 accepted. Only a retry whose predecessor lives in another process waits for this.
 
-Tokens come from one counter that never goes below Redis's clock in microseconds: a Redis
-restarted without its data still hands out tokens above every token issued before.
+Tokens come from a counter (one per server; one per hash slot in a cluster: see
+`connection`) that never goes below Redis's clock in microseconds: a Redis restarted
+without its data still hands out tokens above every token issued before.
 
-Redis errors become `RegistryUnavailable` here, and only here. `fail_open`: a claim that
-cannot reach Redis returns a lease never superseded (forwarded unfenced, counted, logged);
-`fail_closed`: the claim raises and the caller gets a 503.
+Redis errors become `RegistryUnavailable` (in `connection.translate`). `fail_open`: a claim
+that cannot reach Redis returns a lease never superseded (forwarded unfenced, counted,
+logged); `fail_closed`: the claim raises and the caller gets a 503.
 """
 
 from __future__ import annotations
@@ -24,32 +25,38 @@ import contextlib
 import itertools
 import logging
 import time
-from collections import deque
-from collections.abc import Coroutine, Iterator
+import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
-from redis.asyncio.client import PubSub
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.commands.core import AsyncScript
 
 from proxy.config import RegistryConfig
 from proxy.errors import RegistryUnavailable
 from proxy.registry.base import Lease, Registry
-from proxy.registry.scripts import CLAIM, REFRESH, RELEASE
+from proxy.registry.connection import COMMAND_TIMEOUT, Keys, call_each, connect, translate
+from proxy.registry.genlog import DEAD_AFTER, READER_TTL, GenerationLog
+from proxy.registry.scripts import CLAIM, CLAIM_OR_FOLLOW, REFRESH, RELEASE
+from proxy.registry.subscriber import Recent, Subscriber
 
 log = logging.getLogger("streamfence")
 
-PREFIX = "streamfence:"
-CONNECT_TIMEOUT = 0.5  # a claim sits in front of the first byte: fail fast, not late
-COMMAND_TIMEOUT = 1.0
 ACK_WAIT = 0.05  # the longest a claim waits for another process to confirm a fence
-RECONNECT_MIN, RECONNECT_MAX = 0.05, 0.5
-IDLE_PING = 5.0  # seconds without traffic before the subscriber checks its connection
 WARN_EVERY = 5.0  # seconds between "forwarding unfenced" warnings while Redis is down
+
+# A lease named across processes: tokens are unique per turn key (see `connection`).
+Ref = tuple[str, int]
+
+
+class Follow(NamedTuple):
+    """`claim_or_follow`'s answer: follow generation `token` of another process."""
+
+    token: int
+    attempt: int
+    events: int  # published so far
+    reader_id: str = ""  # registered as a reader of its log under this id, by the claim
 
 
 @dataclass(slots=True)
@@ -58,35 +65,8 @@ class _Local:
     live: int  # claimed here and not yet released, superseded ones included
 
 
-class _Recent:
-    """The last `size` tokens seen: the handshake only ever looks a few milliseconds back."""
-
-    def __init__(self, size: int = 4096) -> None:
-        self._set: set[int] = set()
-        self._order: deque[int] = deque()
-        self._size = size
-
-    def add(self, token: int) -> None:
-        if token not in self._set:
-            self._set.add(token)
-            self._order.append(token)
-            if len(self._order) > self._size:
-                self._set.discard(self._order.popleft())
-
-    def __contains__(self, token: int) -> bool:
-        return token in self._set
-
-
-@contextlib.contextmanager
-def _translate(what: str) -> Iterator[None]:
-    """The one boundary where redis (and socket) errors become the project's own."""
-    try:
-        yield
-    except (RedisError, OSError, TimeoutError) as exc:
-        raise RegistryUnavailable(
-            f"streamfence: the shared turn registry (Redis) is unavailable ({what}: "
-            f"{type(exc).__name__})"
-        ) from exc
+def _ref(lease: Lease) -> Ref:
+    return (lease.key, lease.token)
 
 
 class RedisRegistry(Registry):
@@ -94,42 +74,59 @@ class RedisRegistry(Registry):
         self.config = config
         self.fail_open = config.on_unavailable != "fail_closed"
         self.ttl_ms = max(1, int(config.lease_ttl * 1000))
-        self._client: Redis = Redis.from_url(
-            config.url,
-            socket_connect_timeout=CONNECT_TIMEOUT,
-            socket_timeout=COMMAND_TIMEOUT,
-            # One retry, on a connection error only: after Redis restarts, each pooled
-            # connection is dead once. A timeout is not retried: the fail mode decides.
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-        )
-        db = self._client.connection_pool.connection_kwargs.get("db", 0)
-        # Pub/sub ignores the database number: keep deployments on other dbs apart.
-        self.channel = f"{PREFIX}{db}:claims"
-        self._counter = f"{PREFIX}token"
+        self._client = connect(config.url)
+        db = 0
+        if isinstance(self._client, Redis):
+            db = int(self._client.connection_pool.connection_kwargs.get("db", 0))
+        self.keys = Keys(config.url, db)
+        self.channel = self.keys.channel
         self._claim = self._client.register_script(CLAIM)
+        self._claim_or_follow = self._client.register_script(CLAIM_OR_FOLLOW)
         self._release = self._client.register_script(RELEASE)
         self._refresh = self._client.register_script(REFRESH)
         self._local: dict[str, _Local] = {}
-        self._by_token: dict[int, Lease] = {}  # claimed here and not yet released
-        self._ended = _Recent()  # released here: confirmed as fenced if asked
-        self._acked = _Recent()  # confirmed fenced by whichever process held them
-        self._waiters: dict[int, list[asyncio.Future[None]]] = {}
+        self._by_ref: dict[Ref, Lease] = {}  # claimed here and not yet released
+        self._ended: Recent[Ref] = Recent()  # released here: confirmed as fenced if asked
+        self._acked: Recent[Ref] = Recent()  # confirmed fenced by whichever process held them
+        self._waiters: dict[Ref, list[asyncio.Future[None]]] = {}
         self._pending: dict[str, int] = {}  # claims in flight per key
         self._early: dict[str, tuple[int, int]] = {}  # newest claim heard for a pending key
         self._unfenced = itertools.count(-1, -1)  # fail-open tokens: never a Redis token
-        self._subscribed = asyncio.Event()
+        self._subscriber = Subscriber(
+            self._client, self.channel, self._on_message, self._refresh_all
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
         self._warned_at = -WARN_EVERY
         self._suppressed = 0
+        self._log: GenerationLog | None = None
+        self._watched: dict[str, set[Lease]] = {}  # other processes' generations followed here
+
+    def generation_log(self) -> GenerationLog:
+        """The generation log (`genlog`), on this registry's Redis connection."""
+        if self._log is None:
+            self._log = GenerationLog(self._client)
+        return self._log
+
+    def watch(self, lease: Lease) -> None:
+        """Fence `lease`, a generation of another process followed here, as soon as a newer
+        claim of its turn is heard (its own process says so too, but later: in its log)."""
+        self._watched.setdefault(lease.key, set()).add(lease)
+
+    def unwatch(self, lease: Lease) -> None:
+        watched = self._watched.get(lease.key)
+        if watched is not None:
+            watched.discard(lease)
+            if not watched:
+                del self._watched[lease.key]
 
     @staticmethod
     def entry_key(key: str) -> str:
-        return f"{PREFIX}turn:{key}"
+        return Keys.entry(key)
 
     async def start(self) -> None:
         self._tasks = [
-            asyncio.create_task(self._subscriber(), name="streamfence-registry-subscriber"),
+            asyncio.create_task(self._subscriber.run(), name="streamfence-registry-subscriber"),
             asyncio.create_task(self._refresher(), name="streamfence-registry-refresh"),
         ]
 
@@ -149,10 +146,10 @@ class RedisRegistry(Registry):
             # Availability first: without Redis this process still serves, unfenced (logged
             # and counted). Reporting "not ready" would take every replica out of rotation.
             return True
-        if not self._subscribed.is_set():
+        if not self.subscribed:
             return False
         try:
-            with _translate("ping"):
+            with translate("ping"):
                 await self._client.ping()
         except RegistryUnavailable:
             return False
@@ -161,17 +158,39 @@ class RedisRegistry(Registry):
     @property
     def subscribed(self) -> bool:
         """Claims made by other processes reach this one (the subscription is live)."""
-        return self._subscribed.is_set()
+        return self._subscriber.subscribed.is_set()
 
     async def wait_subscribed(self) -> None:
         """Until the claim subscription is live (tests, benchmarks)."""
-        await self._subscribed.wait()
+        await self._subscriber.subscribed.wait()
 
     async def claim(self, key: str) -> Lease:
+        args: list[str | int] = [self.ttl_ms, self.channel, key]
+        lease = await self._claim_with(key, self._claim, args)
+        assert isinstance(lease, Lease)
+        return lease
+
+    async def claim_or_follow(
+        self, key: str, body_hash: str, streaming: bool, healthy_within: float, join: bool
+    ) -> Lease | Follow | str:
+        """One atomic step (scripts.CLAIM_OR_FOLLOW): follow the turn's generation in
+        another process (`Follow`), go beside it ("beside"), or claim a new one, whose
+        generation log is created with the claim (`Lease`)."""
+        log = self.generation_log()
+        args: list[str | int] = [self.ttl_ms, self.channel, key, log.prefix(key), body_hash]
+        args += ["1" if streaming else "0", int(healthy_within * 1000), "1" if join else "0"]
+        reader_id = uuid.uuid4().hex
+        args += [log.ttl_ms, log.maxlen, int(DEAD_AFTER * 1000), reader_id, int(READER_TTL * 1000)]
+        answer: Lease | Follow | str = await self._claim_with(key, self._claim_or_follow, args)
+        if isinstance(answer, Follow):
+            return answer._replace(reader_id=reader_id)
+        return answer
+
+    async def _claim_with(self, key: str, script: AsyncScript, args: list[str | int]) -> Any:
         self._pending[key] = self._pending.get(key, 0) + 1
         try:
-            with _translate("claim"):
-                token_raw, attempt_raw, prev_raw = await self._claim_shielded(key)
+            with translate("claim"):
+                reply = await self._claim_shielded(key, script, args)
             early = self._early.get(key)
         except RegistryUnavailable:
             if not self.fail_open:
@@ -184,8 +203,16 @@ class RedisRegistry(Registry):
             else:
                 del self._pending[key]
                 self._early.pop(key, None)
+        if reply[0] == b"follow":
+            return Follow(int(reply[1]), int(reply[2]), int(reply[3]))
+        if reply[0] == b"beside":
+            return "beside"
+        token_raw, attempt_raw, prev_raw = reply
         lease = Lease(key, int(token_raw), int(attempt_raw))
-        self._by_token[lease.token] = lease
+        self._by_ref[_ref(lease)] = lease
+        for watched in list(self._watched.get(key, ())):  # followed here: fenced at once
+            if watched.token < lease.token:
+                watched.supersede(newer_attempt=lease.attempt)
         local = self._local.get(key)
         if local is None:
             self._local[key] = _Local(lease, 1)
@@ -199,12 +226,12 @@ class RedisRegistry(Registry):
         if early is not None and early[0] > lease.token:
             # Another process's newer claim was heard before this claim's own reply.
             lease.supersede(newer_attempt=early[1])
-            self._ack(lease.token)
-        prev = int(prev_raw)
-        replaced = self._by_token.get(prev)
+            self._ack(_ref(lease))
+        prev = (key, int(prev_raw))
+        replaced = self._by_ref.get(prev)
         if replaced is not None:  # this process's own: fenced here and now
             replaced.supersede(newer_attempt=lease.attempt)
-        elif prev and prev not in self._ended:
+        elif prev[1] and prev not in self._ended:
             try:
                 await self._confirmed(prev, lease)
             except asyncio.CancelledError:
@@ -212,14 +239,13 @@ class RedisRegistry(Registry):
                 raise
         return lease
 
-    async def _claim_shielded(self, key: str) -> list[Any]:
+    async def _claim_shielded(
+        self, key: str, script: AsyncScript, args: list[str | int]
+    ) -> list[Any]:
         # The caller may be cancelled (its client left) after Redis ran the script: the
         # entry it created must not be left to linger for a whole TTL.
-        call = asyncio.ensure_future(
-            self._claim(
-                keys=[self.entry_key(key), self._counter], args=[self.ttl_ms, self.channel, key]
-            )
-        )
+        keys = [self.keys.entry(key), self.keys.counter(key)]
+        call = asyncio.ensure_future(script(keys=keys, args=args))
         try:
             reply: list[Any] = await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -230,11 +256,13 @@ class RedisRegistry(Registry):
     def _release_orphan(self, key: str, call: asyncio.Future[Any]) -> None:
         if call.cancelled() or call.exception() is not None:
             return
+        if call.result()[0] in (b"follow", b"beside"):
+            return  # nothing was claimed
         orphan = Lease(key, int(call.result()[0]), int(call.result()[1]))
-        self._ended.add(orphan.token)
+        self._ended.add(_ref(orphan))
         self._spawn(self._release_entry(orphan))
 
-    async def _confirmed(self, prev: int, lease: Lease) -> None:
+    async def _confirmed(self, prev: Ref, lease: Lease) -> None:
         """Until the process holding `prev` (replaced by `lease`) says it is fenced."""
         if prev in self._acked:
             return
@@ -257,12 +285,12 @@ class RedisRegistry(Registry):
             if not waiters:
                 self._waiters.pop(prev, None)
 
-    def _ack(self, token: int) -> None:
-        """Tell the claimer that replaced `token` that its attempt is fenced here."""
+    def _ack(self, ref: Ref) -> None:
+        """Tell the claimer that replaced `ref` that its attempt is fenced here."""
 
         async def publish() -> None:
-            with contextlib.suppress(RegistryUnavailable), _translate("confirm"):
-                await self._client.publish(self.channel, f"f {token}")
+            with contextlib.suppress(RegistryUnavailable), translate("confirm"):
+                await self._client.publish(self.channel, f"f {ref[1]} {ref[0]}")
 
         self._spawn(publish())
 
@@ -290,9 +318,9 @@ class RedisRegistry(Registry):
     async def release(self, lease: Lease) -> None:
         if lease.token < 0:
             return  # forwarded unfenced: never entered the registry
-        if self._by_token.pop(lease.token, None) is None:
+        if self._by_ref.pop(_ref(lease), None) is None:
             return  # released already
-        self._ended.add(lease.token)
+        self._ended.add(_ref(lease))
         local = self._local.get(lease.key)
         if local is not None:
             local.live -= 1
@@ -302,7 +330,7 @@ class RedisRegistry(Registry):
 
     async def _release_entry(self, lease: Lease) -> None:
         try:
-            with _translate("release"):
+            with translate("release"):
                 await self._release(keys=[self.entry_key(lease.key)], args=[str(lease.token)])
         except RegistryUnavailable as exc:
             # The stream has ended either way; the entry expires with its TTL.
@@ -316,83 +344,38 @@ class RedisRegistry(Registry):
         local = self._local.get(key)
         if local is not None and local.holder.token < token:
             local.holder.supersede(newer_attempt=attempt)
-        replaced = self._by_token.get(prev)
+        for watched in list(self._watched.get(key, ())):
+            if watched.token < token:
+                watched.supersede(newer_attempt=attempt)
+        replaced = self._by_ref.get((key, prev))
         if replaced is not None:
             replaced.supersede(newer_attempt=attempt)
-            if token not in self._by_token:  # a claim of this process needs no message
-                self._ack(prev)
-        elif prev in self._ended:
-            self._ack(prev)
+            if (key, token) not in self._by_ref:  # a claim of this process needs no message
+                self._ack((key, prev))
+        elif (key, prev) in self._ended:
+            self._ack((key, prev))
         if key in self._pending:
             early = self._early.get(key)
             if early is None or early[0] < token:
                 self._early[key] = (token, attempt)
 
-    def _confirmed_by_holder(self, token: int) -> None:
-        self._acked.add(token)
-        for waiter in self._waiters.pop(token, []):
+    def _confirmed_by_holder(self, ref: Ref) -> None:
+        self._acked.add(ref)
+        for waiter in self._waiters.pop(ref, []):
             if not waiter.done():
                 waiter.set_result(None)
 
-    def _on_message(self, message: dict[str, Any]) -> None:
-        if message.get("type") != "message":
-            return
+    def _on_message(self, data: bytes) -> None:
         try:
-            kind, _, rest = message["data"].decode().partition(" ")
+            kind, _, rest = data.decode().partition(" ")
             if kind == "c":
                 token, attempt, prev, key = rest.split(" ", 3)
                 self._heard(int(token), int(attempt), int(prev), key)
             elif kind == "f":
-                self._confirmed_by_holder(int(rest))
+                token, key = rest.split(" ", 1)
+                self._confirmed_by_holder((key, int(token)))
         except (ValueError, UnicodeDecodeError):
             log.warning("streamfence: ignored a malformed message on %s", self.channel)
-
-    async def _subscriber(self) -> None:
-        delay = RECONNECT_MIN
-        while True:
-            pubsub: PubSub = self._client.pubsub()
-            try:
-                with _translate("subscribe"):
-                    await self._listen(pubsub)
-            except RegistryUnavailable as exc:
-                if self._subscribed.is_set():
-                    log.warning("%s; fencing across processes paused", exc.message)
-            except Exception:  # a bug here must not end fencing across processes for good
-                log.exception("streamfence: the registry subscriber failed; reconnecting")
-            finally:
-                if self._subscribed.is_set():
-                    delay = RECONNECT_MIN  # it was up: retry soon, back off from there
-                self._subscribed.clear()
-                with contextlib.suppress(RedisError, OSError, TimeoutError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RECONNECT_MAX)
-
-    async def _listen(self, pubsub: PubSub) -> None:
-        await pubsub.subscribe(self.channel)
-        while True:  # the confirmation: from here on no claim message is missed
-            message = await pubsub.get_message(timeout=COMMAND_TIMEOUT)
-            if message is None:
-                raise TimeoutError("no subscribe confirmation")
-            if message["type"] == "subscribe":
-                break
-            self._on_message(message)
-        await self._refresh_all()  # catch up on claims made while we were not listening
-        if not self._subscribed.is_set():
-            log.info("streamfence: subscribed to %s", self.channel)
-        self._subscribed.set()
-        idle = 0.0
-        while True:
-            message = await pubsub.get_message(timeout=1.0)
-            if message is not None:
-                idle = 0.0
-                self._on_message(message)
-                continue
-            idle += 1.0
-            if idle == IDLE_PING:
-                await pubsub.ping()  # its reply arrives as a message and resets `idle`
-            elif idle > IDLE_PING + COMMAND_TIMEOUT * 2:
-                raise TimeoutError("the subscription stopped answering")
 
     async def _refresher(self) -> None:
         every = max(0.05, self.ttl_ms / 3000)
@@ -411,16 +394,12 @@ class RedisRegistry(Registry):
         holders = [local.holder for local in self._local.values() if not local.holder.superseded]
         if not holders:
             return
-        with _translate("refresh"):
-            async with self._client.pipeline(transaction=False) as pipe:
-                for lease in holders:
-                    await self._refresh(
-                        keys=[self.entry_key(lease.key)],
-                        args=[str(lease.token), self.ttl_ms],
-                        client=pipe,
-                    )
-                replies = await pipe.execute()
+        calls: list[tuple[list[str], list[str | int]]] = [
+            ([self.keys.entry(h.key)], [str(h.token), self.ttl_ms]) for h in holders
+        ]
+        with translate("refresh"):
+            replies = await call_each(self._client, self._refresh, calls)
         for lease, (token, attempt) in zip(holders, replies, strict=True):
             if token is not None and int(token) > lease.token:
                 lease.supersede(newer_attempt=int(attempt))
-                self._ack(lease.token)
+                self._ack(_ref(lease))

@@ -4,8 +4,7 @@ and a release can never interleave with another process's."""
 from __future__ import annotations
 
 # KEYS: turn entry, token counter. ARGV: ttl ms, channel, turn key.
-CLAIM = """
-local now = redis.call('TIME')
+_CLAIM = """
 local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
 local token = redis.call('INCR', KEYS[2])
 if token < floor then
@@ -20,8 +19,53 @@ local before = prev[1] or '0'
 redis.call('HSET', KEYS[1], 'token', tok, 'attempt', attempt)
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 redis.call('PUBLISH', ARGV[2], 'c ' .. tok .. ' ' .. attempt .. ' ' .. before .. ' ' .. ARGV[3])
+"""
+CLAIM = "local now = redis.call('TIME')" + _CLAIM + "return {tok, attempt, before}\n"
+
+# The claim of a followable generation (CONTRACT section 3, across processes), atomic: if
+# the turn's holder publishes a log (genlog) for an identical request, in the same streaming
+# mode, whose writer is alive and which is healthy (or `join`), answer {'follow', token,
+# attempt, events published} and claim nothing; in the other mode while healthy, {'beside'};
+# otherwise claim, and create the new generation's log in the same step, so that a twin on
+# another process a moment later finds it. The log's keys are built from the token (same
+# hash tag as the entry: the same slot).
+# KEYS: entry, counter. ARGV: ttl ms, channel, turn key, log prefix (up to the token), body
+# hash, mode, healthy ms, join ('1'/'0'), log ttl ms, maxlen, dead-after ms, reader id,
+# reader ttl ms.
+CLAIM_OR_FOLLOW = (
+    """
+local now = redis.call('TIME')
+local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local holder = redis.call('HMGET', KEYS[1], 'token', 'attempt')
+if holder[1] then
+  local m = redis.call('HMGET', ARGV[4] .. holder[1] .. ':meta', 'body', 'mode', 'at', 'last',
+    'ended', 'next')
+  if m[1] == ARGV[5] and not m[5] and ms - tonumber(m[3]) <= tonumber(ARGV[11]) then
+    local healthy = ms - tonumber(m[4]) < tonumber(ARGV[7])
+    if m[2] == ARGV[6] and (healthy or ARGV[8] == '1') then
+      -- Counted as a reader from now on: the writer must not close its upstream between
+      -- this answer and the follower's first read.
+      local readers = ARGV[4] .. holder[1] .. ':readers'
+      redis.call('ZADD', readers, ms + tonumber(ARGV[13]), ARGV[12])
+      redis.call('PEXPIRE', readers, ARGV[9])
+      return {'follow', holder[1], holder[2], m[6] or '0'}
+    end
+    if m[2] ~= ARGV[6] and healthy then return {'beside'} end
+  end
+end
+"""
+    + _CLAIM
+    + """
+local log = ARGV[4] .. tok
+local nows = string.format('%d', ms)
+redis.call('DEL', log, log .. ':readers')
+redis.call('HSET', log .. ':meta', 'body', ARGV[5], 'mode', ARGV[6], 'at', nows, 'last', nows)
+redis.call('XADD', log, 'MAXLEN', '~', ARGV[10], '*', 'k', 'o')
+redis.call('PEXPIRE', log, ARGV[9])
+redis.call('PEXPIRE', log .. ':meta', ARGV[9])
 return {tok, attempt, before}
 """
+)
 
 # KEYS: turn entry. ARGV: token. A stale release (a newer attempt holds the key) is a no-op.
 RELEASE = """

@@ -1,0 +1,141 @@
+"""Connecting to Redis (one server or a Redis Cluster) and naming the registry's keys.
+
+A cluster is chosen by the URL scheme: `redis+cluster://host:port` (or `rediss+cluster://`)
+names any one node; the client discovers the others. Every key of one turn carries the
+turn key as its hash tag (`streamfence:{<turn>}:...`), so each script touches one slot.
+
+Fencing tokens need a counter the claim script can touch: on one server that is one
+global counter; in a cluster it is one counter per hash slot, named with a hash tag that
+hashes to the turn's own slot (found once per process: `_slot_tags`). Tokens then never
+repeat for a key (its slot's counter only grows, and is floored by the clock if lost), but
+two keys in different slots may share a token: the registry keys its books by
+(turn, token), never by token alone.
+
+Redis errors become `RegistryUnavailable` here (`translate`), and only here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from binascii import crc_hqx
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
+from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException, RedisError
+
+from proxy.errors import RegistryUnavailable
+
+PREFIX = "streamfence:"
+SLOTS = 16384
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+CONNECT_TIMEOUT = 0.5  # a claim sits in front of the first byte: fail fast, not late
+COMMAND_TIMEOUT = 1.0
+
+Client = Redis | RedisCluster
+
+
+def is_cluster(url: str) -> bool:
+    return urlsplit(url).scheme in CLUSTER_SCHEMES
+
+
+def connect(url: str, *, command_timeout: float = COMMAND_TIMEOUT) -> Client:
+    options: dict[str, Any] = {
+        "socket_connect_timeout": CONNECT_TIMEOUT,
+        "socket_timeout": command_timeout,
+    }
+    scheme = urlsplit(url).scheme
+    if scheme in CLUSTER_SCHEMES:
+        plain = CLUSTER_SCHEMES[scheme] + url[len(scheme) :]
+        # Redirections (MOVED/ASK) are followed by the client; one retry (after which it
+        # reloads the slot map), then a node that is down fails like a standalone server.
+        # Connections per node: unbounded, as a standalone client's pool (the cluster
+        # client's default of 100 raises instead of waiting when a burst exceeds it).
+        return RedisCluster.from_url(
+            plain, retry=Retry(NoBackoff(), 1), max_connections=2**31, **options
+        )
+    # One retry, on a connection error only: after Redis restarts, each pooled connection
+    # is dead once. A timeout is not retried: the fail mode decides.
+    retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+    return Redis.from_url(url, retry=retry, **options)
+
+
+def slot(key: str) -> int:
+    """The hash slot of every key of turn `key`."""
+    return key_slot(Keys.entry(key).encode())
+
+
+@functools.cache
+def _slot_tags() -> tuple[str, ...]:
+    """For each hash slot, a short tag that hashes to it (~170,000 CRCs, once, ~50 ms)."""
+    tags: list[str | None] = [None] * SLOTS
+    left, n = SLOTS, 0
+    while left:
+        tag = str(n)
+        s = crc_hqx(tag.encode(), 0) % SLOTS
+        if tags[s] is None:
+            tags[s] = tag
+            left -= 1
+        n += 1
+    return tuple(t for t in tags if t is not None)
+
+
+class Keys:
+    """The names of everything the registry keeps in Redis."""
+
+    def __init__(self, url: str, db: int = 0) -> None:
+        self.cluster = is_cluster(url)
+        if self.cluster:
+            _slot_tags()  # at startup, not in front of the first claim
+        # Pub/sub ignores the database number: keep deployments on other dbs apart.
+        self.channel = f"{PREFIX}{db}:claims"
+
+    @staticmethod
+    def entry(key: str) -> str:
+        return f"{PREFIX}{{{key}}}:turn"
+
+    def counter(self, key: str) -> str:
+        if not self.cluster:
+            return f"{PREFIX}token"
+        return f"{PREFIX}{{{_slot_tags()[slot(key)]}}}:token"
+
+
+BATCH = 64  # script calls in flight at once on a cluster (no cross-node pipeline there)
+
+
+async def call_each(
+    client: Client, script: AsyncScript, calls: list[tuple[list[str], list[str | int]]]
+) -> list[Any]:
+    """Run `script` once per (keys, args): one round trip for them all on one server (a
+    pipeline); on a cluster, whose keys live on several nodes, concurrent calls in batches."""
+    if isinstance(client, Redis):
+        async with client.pipeline(transaction=False) as pipe:
+            for keys, args in calls:
+                await script(keys=keys, args=args, client=pipe)
+            return list(await pipe.execute())
+    replies: list[Any] = []
+    for i in range(0, len(calls), BATCH):
+        batch = calls[i : i + BATCH]
+        replies += await asyncio.gather(*(script(keys=k, args=a) for k, a in batch))
+    return replies
+
+
+@contextlib.contextmanager
+def translate(what: str) -> Iterator[None]:
+    """The one boundary where redis (and socket) errors become the project's own."""
+    try:
+        yield
+    except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
+        raise RegistryUnavailable(
+            f"streamfence: the shared turn registry (Redis) is unavailable ({what}: "
+            f"{type(exc).__name__})"
+        ) from exc

@@ -1,0 +1,114 @@
+"""Following a generation that runs in another process (issue 15), through its log in Redis.
+
+With the Redis registry every followable generation publishes its events to the generation
+log (`proxy.registry.genlog`). A request whose turn has no generation in this process is
+claimed with `RedisRegistry.claim_or_follow`: one script that applies the rule of a local
+follower (`proxy.follow.decide`) to the turn's holder in Redis (identical body, same
+streaming mode, healthy -> follow; other mode, healthy -> beside) or else claims, creating
+the new generation's log in the same step, so that a twin on another process a moment later
+finds it. Still one round trip, as the claim was. A `RemoteGeneration` is then a generation
+like any other to its
+subscribers (a buffer, cursors, fencing; later identical requests in this process follow
+it locally), whose reader reads the log instead of an upstream:
+
+- fenced when this process hears a newer claim of the turn (`RedisRegistry.watch`), or when
+  the log says the writer was superseded, whichever comes first;
+- its readers are counted by the writer, which keeps the upstream open while any process
+  still reads it (`Generation.detach`);
+- the writer's process dying, or Redis losing the log, ends it with `GenerationLost`
+  within `DETECT_WITHIN` (3 s): a clear error event, never a clean end of a cut answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from proxy.errors import GenerationLost, UpstreamError
+from proxy.generation import Ask, Budget, Generation
+from proxy.registry import Lease
+from proxy.upstream import UpstreamClient
+
+if TYPE_CHECKING:
+    from proxy.registry.genlog import GenerationLog
+    from proxy.registry.redis import Follow, RedisRegistry
+
+
+def cursor_after(follow: Follow, last_event_id: bytes | None) -> int | None:
+    """Where a `Last-Event-ID` resumes in the remote generation (None: from the start)."""
+    if last_event_id is None:
+        return None
+    token, _, number = last_event_id.strip().partition(b"-")
+    if token != b"%d" % follow.token or not number.isdigit() or len(number) > 12:
+        return None
+    n = int(number)
+    return n if n <= follow.events else None
+
+
+class RemoteGeneration(Generation):
+    def __init__(
+        self,
+        ask: Ask,
+        current: Follow,
+        registry: RedisRegistry,
+        client: UpstreamClient,
+        budget: Budget,
+        on_end: Callable[[Generation], None] = lambda g: None,
+    ) -> None:
+        # No registry for the base class: this process holds no lease to release. (Its
+        # reader task starts only once this constructor has returned.)
+        super().__init__(ask, client, None, budget, on_end)
+        self._current = current
+        self._source: GenerationLog = registry.generation_log()
+        self._watcher = registry
+
+    async def _read(self) -> None:
+        key, current = self.ask.key, self._current
+        assert key is not None
+        self.lease = lease = Lease(key, current.token, current.attempt)
+        self._watcher.watch(lease)
+        lease.on_superseded(self._superseded)
+        reader, superseded = None, False
+        try:
+            self.forwarded_at = time.perf_counter()
+            reader = await self._source.follow(key, current.token, reader_id=current.reader_id)
+            start = await reader.wait_start()
+            self.headers_at = time.perf_counter()
+            self.last_activity = time.monotonic()
+            self.raw_headers = [
+                (n.encode("latin-1"), v.encode("latin-1")) for n, v in start.headers
+            ]
+            ctype = next((v for n, v in start.headers if n.lower() == "content-type"), "")
+            self.is_sse = ctype.lower().startswith("text/event-stream")
+            self.status = start.status
+            self.headers_ready.set()
+            async for batch in reader:
+                await self._take(batch.events, stamp=False)  # stamped by the writer already
+            if reader.outcome == "completed":
+                self.completed = True
+            elif reader.outcome == "superseded":
+                superseded = True
+            else:
+                self.error = UpstreamError(
+                    "streamfence: the upstream request failed in the process that sent it"
+                )
+        except GenerationLost as exc:
+            self.error = exc
+        finally:
+            if reader is not None:
+                await asyncio.shield(reader.aclose())
+            self.closed_at = time.perf_counter()
+            self.done = True
+            self.headers_ready.set()
+            self._wake()
+            self.finished.set()
+            self._unretain()
+            if superseded:  # last: it cancels this task; then the subscribers write frames
+                lease.supersede()
+
+    async def end(self) -> None:
+        await super().end()
+        if self.lease is not None:
+            self._watcher.unwatch(self.lease)

@@ -1,0 +1,326 @@
+"""Following a generation of another process (issue 15), on one Redis and on a three-master
+cluster: two proxies with registries of their own (and, where a process must die, a real
+`python -m proxy`), one scripted upstream. An identical request follows wherever it lands;
+the upstream stays open while any process reads it; fencing reaches remote followers; a
+dead writer's followers get an error, never a hang or a clean end."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.registry.genlog import DETECT_WITHIN
+from proxy.registry.redis import RedisRegistry
+from tests.conftest import Proxy, ProxyFactory
+from tests.redis_server import REDIS_SERVER, Server
+from tests.sse_client import Event, chat_body, events, open_stream
+from tests.test_registry_redis import ProxyProcess, _wait_subscribers
+from tests.upstream import ScriptedUpstream
+
+pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
+
+CHAT = "/v1/chat/completions"
+HEALTHY = {"upstream.healthy_within": 3600.0}
+
+
+@asynccontextmanager
+async def two_proxies(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, server: Server, **extra: Any
+) -> AsyncIterator[tuple[Proxy, Proxy]]:
+    overrides = {"registry.backend": "redis", "registry.url": server.url, **HEALTHY, **extra}
+    async with (
+        make_proxy(upstream.url, **overrides) as pa,
+        make_proxy(upstream.url, **overrides) as pb,
+    ):
+        for p in (pa, pb):
+            registry = p.runtime.registry
+            assert isinstance(registry, RedisRegistry)
+            await asyncio.wait_for(registry.wait_subscribed(), 10)
+        yield pa, pb
+
+
+def _count(proxy: Proxy, metric: str, *labels: str) -> float:
+    return getattr(proxy.runtime.metrics, metric).labels(*labels)._value.get()  # type: ignore[no-any-return]
+
+
+def _errors(got: list[Event]) -> list[str]:
+    out = []
+    for e in got:
+        if e.is_error:
+            err = e.json["error"]
+            out.append(str(err.get("code") or err.get("type")))
+    return out
+
+
+async def _rest(stream: AsyncIterator[Event]) -> list[Event]:
+    return [e async for e in stream]
+
+
+async def test_identical_requests_on_two_processes_share_one_generation(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, redis_server: Server
+) -> None:
+    body = chat_body(gated=True, tokens=5, prefix="R")
+    turn = {"X-Turn-Id": "remote-twins"}
+    async with two_proxies(make_proxy, upstream, redis_server) as (pa, pb):
+        async with pa.client() as ca, pb.client() as cb, AsyncExitStack() as stack:
+            a = await open_stream(stack, ca, CHAT, body, turn)
+            a_events = events(a)
+            assert (await anext(a_events)).text == "R0 "
+            b = await open_stream(stack, cb, CHAT, body, turn)
+            assert b.headers["x-streamfence-source"] == "followed"
+            assert b.headers["x-streamfence-attempt"] == "1"
+            assert b.headers["x-streamfence-turn"] == a.headers["x-streamfence-turn"]
+            b_events = events(b)
+            assert (await anext(b_events)).text == "R0 "  # what was sent before it came
+            upstream.seen[0].release(10)
+            a_rest, b_rest = await asyncio.wait_for(
+                asyncio.gather(_rest(a_events), _rest(b_events)), 10
+            )
+        assert len(upstream.seen) == 1  # asked upstream once, across two processes
+        assert "".join(e.text for e in b_rest) == "R1 R2 R3 R4 "  # then live, in order
+        assert [e.data for e in b_rest] == [e.data for e in a_rest]  # the very same events
+        assert b_rest[-1].data == "[DONE]" and not _errors(a_rest + b_rest)
+        assert _count(pb, "follows", "default", "followed") == 1
+        assert _count(pb, "generations", "default") == 0
+        await pb.runtime.wait_idle()
+        assert pb.runtime.budget.used == 0 and len(pb.runtime.generations or ()) == 0
+
+
+async def test_twins_sent_at_once_to_two_processes_are_asked_upstream_once(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, redis_server: Server
+) -> None:
+    """The claim decides in Redis, atomically: whichever lands second follows the first
+    (a separate look-up, then a claim, would let both claim and one fence the other)."""
+    async with two_proxies(make_proxy, upstream, redis_server) as (pa, pb):
+        async with pa.client() as ca, pb.client() as cb:
+            for i in range(10):
+                body = chat_body(tokens=3, prefix=f"P{i}-")  # no turn id: the fingerprint
+                ra, rb = await asyncio.gather(ca.post(CHAT, json=body), cb.post(CHAT, json=body))
+                for r in (ra, rb):
+                    assert r.status_code == 200, r.text
+                    assert r.text.endswith("data: [DONE]\n\n") and f"P{i}-2 " in r.text
+                sources = sorted(
+                    [ra.headers["x-streamfence-source"], rb.headers["x-streamfence-source"]]
+                )
+                assert sources == ["followed", "upstream"], (i, sources)
+        assert len(upstream.seen) == 10
+
+
+async def test_the_upstream_stays_open_while_another_process_reads_it(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, redis_server: Server
+) -> None:
+    body = chat_body(gated=True, tokens=4, prefix="K")
+    turn = {"X-Turn-Id": "remote-keep"}
+    async with two_proxies(make_proxy, upstream, redis_server) as (pa, pb):
+        async with pa.client() as ca, pb.client() as cb, AsyncExitStack() as b_stack:
+            async with AsyncExitStack() as a_stack:
+                a = await open_stream(a_stack, ca, CHAT, body, turn)
+                a_events = events(a)  # held: a dropped iterator would close the stream
+                assert (await anext(a_events)).text == "K0 "
+                b = await open_stream(b_stack, cb, CHAT, body, turn)
+                b_events = events(b)
+                assert (await anext(b_events)).text == "K0 "
+            # A's only client is gone; B's process still reads the generation.
+            await pa.runtime.wait_idle()
+            seen = upstream.seen[0]
+            assert not seen.closed.is_set()
+            seen.release(10)
+            rest = await asyncio.wait_for(_rest(b_events), 10)
+            assert "".join(e.text for e in rest) == "K1 K2 K3 "
+            assert rest[-1].data == "[DONE]"
+        assert seen.finished
+
+
+async def test_the_last_reader_on_any_process_leaving_closes_the_upstream(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, redis_server: Server
+) -> None:
+    body = chat_body(gated=True, tokens=4, prefix="L")
+    turn = {"X-Turn-Id": "remote-leave"}
+    async with two_proxies(make_proxy, upstream, redis_server) as (pa, pb):
+        async with pa.client() as ca, pb.client() as cb:
+            async with AsyncExitStack() as b_stack:
+                async with AsyncExitStack() as a_stack:
+                    a = await open_stream(a_stack, ca, CHAT, body, turn)
+                    a_events = events(a)
+                    assert (await anext(a_events)).text == "L0 "
+                    b = await open_stream(b_stack, cb, CHAT, body, turn)
+                    b_events = events(b)
+                    assert (await anext(b_events)).text == "L0 "
+                await pa.runtime.wait_idle()
+                assert not upstream.seen[0].closed.is_set()
+            left = time.monotonic()
+            # The writer recounts its readers every second: closed within a few.
+            await asyncio.wait_for(upstream.seen[0].closed.wait(), 5)
+            assert time.monotonic() - left < 3.5
+        assert not upstream.seen[0].finished
+
+
+@pytest.mark.parametrize("where", ["origin", "follower"])
+async def test_a_newer_generation_fences_followers_on_every_process(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, redis_server: Server, where: str
+) -> None:
+    """The newer generation starts on the origin's process (its fence reaches the remote
+    follower through Redis) or on the follower's own (fenced there by the claim itself)."""
+    turn = {"X-Turn-Id": "remote-fence"}
+    body = chat_body(gated=True, tokens=4, prefix="F")
+    async with two_proxies(make_proxy, upstream, redis_server) as (pa, pb):
+        async with pa.client() as ca, pb.client() as cb, AsyncExitStack() as stack:
+            a = await open_stream(stack, ca, CHAT, body, turn)
+            a_events = events(a)
+            assert (await anext(a_events)).text == "F0 "
+            b = await open_stream(stack, cb, CHAT, body, turn)
+            b_events = events(b)
+            assert (await anext(b_events)).text == "F0 "
+            # The same turn id with another body: a new generation, on A's process.
+            client = ca if where == "origin" else cb
+            newer = await client.post(CHAT, json=chat_body(stream=False, prefix="N"), headers=turn)
+            assert newer.status_code == 200 and newer.headers["x-streamfence-attempt"] == "2"
+            upstream.seen[0].release(10)  # sent after the fence: must reach nobody
+            a_rest, b_rest = await asyncio.wait_for(
+                asyncio.gather(_rest(a_events), _rest(b_events)), 10
+            )
+        for rest in (a_rest, b_rest):
+            assert _errors(rest) == ["stream_superseded"], rest
+            assert len(rest) == 1  # the frame alone: no event of the fenced generation
+            assert "attempt 2" in rest[0].json["error"]["message"]
+
+
+async def test_followers_of_a_killed_process_get_an_error_then_a_retry_starts_anew(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, redis_server: Server, tmp_path: Path
+) -> None:
+    body = chat_body(gated=True, tokens=4, prefix="D")
+    turn = {"X-Turn-Id": "remote-dies"}
+    writer = ProxyProcess(
+        upstream.url,
+        redis_server.url,
+        tmp_path / "writer.log",
+        STREAMFENCE_UPSTREAM_HEALTHY_WITHIN="3600",
+    )
+    try:
+        await writer.ready()
+        overrides = {"registry.backend": "redis", "registry.url": redis_server.url, **HEALTHY}
+        async with make_proxy(upstream.url, **overrides) as pb:
+            await _wait_subscribers(redis_server, 2)
+            async with writer.client() as ca, pb.client() as cb, AsyncExitStack() as stack:
+                a = await open_stream(stack, ca, CHAT, body, turn)
+                a_events = events(a)
+                assert (await anext(a_events)).text == "D0 "
+                b = await open_stream(stack, cb, CHAT, body, turn)
+                assert b.headers["x-streamfence-source"] == "followed"
+                b_events = events(b)
+                assert (await anext(b_events)).text == "D0 "
+                writer.kill()
+                killed = time.monotonic()
+                rest = await asyncio.wait_for(_rest(b_events), DETECT_WITHIN + 5)
+                waited = time.monotonic() - killed
+                assert _errors(rest) == ["generation_lost"], rest
+                assert not any(e.data == "[DONE]" for e in rest)  # not a clean end
+                assert waited <= DETECT_WITHIN + 1.0, waited
+                # Its retry finds a generation whose writer is gone: it starts a new one.
+                retry = await cb.post(CHAT, json=chat_body(prefix="D"), headers=turn)
+                assert retry.status_code == 200
+                assert retry.headers["x-streamfence-source"] == "upstream"
+                assert retry.headers["x-streamfence-attempt"] == "2"
+                assert retry.text.endswith("data: [DONE]\n\n")
+    finally:
+        writer.stop()
+
+
+async def test_without_follow_across_each_process_asks_for_itself(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, redis_server: Server
+) -> None:
+    body = chat_body(gated=True, tokens=3, prefix="O")
+    turn = {"X-Turn-Id": "remote-off"}
+    off = {"registry.follow_across": False}
+    async with two_proxies(make_proxy, upstream, redis_server, **off) as (pa, pb):
+        async with pa.client() as ca, pb.client() as cb, AsyncExitStack() as stack:
+            a = await open_stream(stack, ca, CHAT, body, turn)
+            a_events = events(a)
+            assert (await anext(a_events)).text == "O0 "
+            b = await open_stream(stack, cb, CHAT, body, turn)
+            assert b.headers["x-streamfence-source"] == "upstream"
+            assert b.headers["x-streamfence-attempt"] == "2"  # fenced across, as before
+            rest = await asyncio.wait_for(_rest(a_events), 10)
+            assert _errors(rest) == ["stream_superseded"]
+            upstream.seen[1].release(10)
+            got = [e async for e in events(b)]
+            assert got[-1].data == "[DONE]"
+
+
+@pytest.mark.stress
+async def test_stress_identical_requests_routed_at_random_over_three_processes(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, redis_server: Server
+) -> None:
+    """60 turns, each asked 2-4 times at once by clients spread at random over three
+    processes, some of which leave after the first event: every remaining client gets the
+    whole answer, unfenced, and each turn is asked upstream once (twice at most where a
+    client left: a twin that comes after the only reader left starts anew)."""
+    rng = random.Random(15)
+    overrides = {"registry.backend": "redis", "registry.url": redis_server.url, **HEALTHY}
+    async with AsyncExitStack() as stack:
+        proxies = [
+            await stack.enter_async_context(make_proxy(upstream.url, **overrides)) for _ in range(3)
+        ]
+        for p in proxies:
+            registry = p.runtime.registry
+            assert isinstance(registry, RedisRegistry)
+            await asyncio.wait_for(registry.wait_subscribed(), 10)
+        clients = [await stack.enter_async_context(p.client()) for p in proxies]
+        limit = asyncio.Semaphore(12)
+
+        async def ask(i: int, client_no: int, leaves: bool) -> str | None:
+            # 0.6 s of answer: every twin, sent at once, arrives while it runs
+            body = chat_body(f"turn {i}", tokens=4, delay=0.15, prefix=f"T{i}-")
+            async with clients[client_no].stream("POST", CHAT, json=body) as r:
+                assert r.status_code == 200
+                got = events(r)
+                first = await anext(got)
+                if leaves:
+                    return None
+                rest = [e async for e in got]
+            texts = "".join(e.text for e in [first, *rest])
+            assert rest[-1].data == "[DONE]" and not _errors(rest), (i, rest)
+            return texts
+
+        left: set[str] = set()
+
+        async def turn(i: int) -> None:
+            async with limit:
+                n = rng.randint(2, 4)
+                routes = [rng.randrange(3) for _ in range(n)]
+                leaving = [j == 0 and n > 2 and rng.random() < 0.5 for j in range(n)]
+                if any(leaving):
+                    left.add(f"T{i}-")
+                answers = await asyncio.gather(
+                    *(ask(i, c, leave) for c, leave in zip(routes, leaving, strict=True))
+                )
+                for answer in answers:
+                    assert answer in (None, "".join(f"T{i}-{k} " for k in range(4))), answer
+
+        await asyncio.wait_for(asyncio.gather(*(turn(i) for i in range(60))), 120)
+        per_turn: dict[str, int] = {}
+        for seen in upstream.seen:
+            per_turn[seen.script.prefix] = per_turn.get(seen.script.prefix, 0) + 1
+        assert len(per_turn) == 60, per_turn
+        assert all(n == 1 for t, n in per_turn.items() if t not in left), per_turn
+        assert all(n <= 2 for n in per_turn.values()), per_turn
+        assert left and sum(per_turn[t] for t in left) < 2 * len(left)  # most still shared
+        for p in proxies:
+            await p.runtime.wait_idle()
+
+        async def drained() -> bool:
+            return all(
+                p.runtime.registry.live_keys() == 0 and p.runtime.budget.used == 0 for p in proxies
+            )
+
+        deadline = time.monotonic() + 10
+        while not await drained():
+            assert time.monotonic() < deadline, [p.runtime.registry.live_keys() for p in proxies]
+            await asyncio.sleep(0.05)
