@@ -555,3 +555,31 @@ async def test_client_that_stops_reading_at_the_very_end_is_still_dropped(
         client.close()
     assert upstream.seen[0].finished
     assert (record.outcome, record.error) == ("client_gone", "client_write_timeout")
+
+
+@pytest.mark.parametrize(
+    ("path", "last"),
+    [
+        ("/v1/chat/completions", "data: [DONE]\n\n"),
+        ("/v1/messages", 'event: message_stop\ndata: {"type":"message_stop"}\n\n'),
+        ("/v1/responses", 'event: response.completed\ndata: {"type":"response.completed"}\n\n'),
+    ],
+)
+async def test_a_client_that_leaves_right_after_the_terminator_completed(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory, path: str, last: str
+) -> None:
+    """hermes-agent closes its connection as soon as it reads `[DONE]`, while the upstream
+    has not ended its body yet: the answer was delivered, so the outcome is `completed`."""
+    upstream.default = Script(
+        stream=True, gated=True, raw=['data: {"a":1}\n\n', last, ": tail\n\n"]
+    )
+    async with make_proxy(upstream.url) as proxy, proxy.client() as client:
+        async with client.stream("POST", path, json={"stream": True}) as response:
+            upstream.seen[0].release(1)  # the terminator, but not the body's end
+            stream = events(response)
+            received = [await anext(stream), await anext(stream)]
+        # The first event and the terminator, and then the client left.
+        assert received[0].data == '{"a":1}' and received[1].data in last
+        (record,) = await settled(proxy)
+    assert record.outcome == "completed"
+    assert not upstream.seen[0].finished  # the upstream had not ended its body
