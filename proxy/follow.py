@@ -164,8 +164,11 @@ class Generations:
             attempt = 0 if generation.lease is None else generation.lease.attempt
             self._retired[key] = (time.monotonic(), generation.ask.retired, attempt)
             self._retired.move_to_end(key)
-            if len(self._retired) > FINAL_IDS_KEPT:
-                self._retired.popitem(last=False)
+            while self._retired and (
+                len(self._retired) > FINAL_IDS_KEPT
+                or next(iter(self._retired.values()))[0] < self._retired[key][0] - RETIRED_SECONDS
+            ):
+                self._retired.popitem(last=False)  # the oldest: over the cap, or expired
         if generation.completed and generation.ask.stamp_ids and generation.token is not None:
             self._final[key] = generation.event_id(generation.last_id)
             self._final.move_to_end(key)

@@ -23,6 +23,7 @@ active set empty.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from tests.upstream import ScriptedUpstream, Seen
 
 CHAT = "/v1/chat/completions"
 PUSH = 1000  # permits that release a gated upstream for good
+_DRIVERS = itertools.count(1)
 CLOSE_LIMIT = 2.0  # seconds for the upstream to see a fenced attempt's connection closed
 
 
@@ -155,6 +157,9 @@ class Driver:
         self.watch = harness.watch(runtime)
         self.totals = Totals()
         self._run_no = 0
+        # Turn ids never repeat across drivers of one proxy either: a turn remembers the
+        # versions it replaced (a repeat of one is refused as a stale retry).
+        self._name = f"d{next(_DRIVERS)}"
 
     async def run(self, schedule: Schedule) -> list[list[Run]]:
         """Drive one schedule to its end and check it; violations go to `totals`."""
@@ -183,7 +188,7 @@ class Driver:
         return runs
 
     async def _drive_key(self, arrivals: Arrivals, key: int, plans: Sequence[Attempt]) -> list[Run]:
-        turn_id = f"r{self._run_no}-k{key}"
+        turn_id = f"{self._name}-r{self._run_no}-k{key}"
         runs: list[Run] = []
         tasks: list[asyncio.Task[None]] = []
         prev: Run | None = None
