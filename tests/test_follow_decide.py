@@ -24,6 +24,7 @@ class Live:
 
     ask: Ask = field(default_factory=Ask)
     fenced: bool = False
+    closing: bool = False  # its last client left and its upstream is being closed
     done: bool = False
     completed: bool = False
     retained: bool = False
@@ -68,6 +69,7 @@ HEALTHY, STALLED = Live(), Live(quiet=11.0)
         (HEALTHY, "adaptive", {"last_event_id": b"own-3"}, "follow", "resumed"),
         (HEALTHY, "adaptive", {"last_event_id": b"junk"}, "follow", "followed"),
         (Live(fenced=True), "adaptive", {}, "new", "upstream"),
+        (Live(closing=True), "adaptive", {}, "new", "upstream"),
         (Live(followable=False), "adaptive", {}, "new", "upstream"),
         (Live(ask=Ask(retired=frozenset({"B"}))), "adaptive", {"body": "B"}, "stale", "upstream"),
         (Live(ask=Ask(retired=frozenset({"B"}))), "supersede", {"body": "B"}, "stale", "upstream"),

@@ -152,7 +152,7 @@ async def test_the_writer_counts_readers_of_every_process_and_forgets_crashed_on
         async def forgotten() -> bool:
             return writer.readers == 0  # the writer's heartbeats re-count every second
 
-        await _until(forgotten, within=READER_TTL + 3)
+        await _until(forgotten, within=READER_TTL + 8)  # heartbeats run late on a busy machine
         assert time.monotonic() - started >= READER_TTL - 1.0
         await writer.end("completed")
 
