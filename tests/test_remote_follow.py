@@ -275,7 +275,9 @@ async def test_stress_identical_requests_routed_at_random_over_three_processes(
         clients = [await stack.enter_async_context(p.client()) for p in proxies]
         limit = asyncio.Semaphore(12)
 
-        async def ask(i: int, client_no: int, leaves: bool) -> str | None:
+        raced: list[int] = []
+
+        async def ask(i: int, client_no: int, leaves: bool, tolerate: bool) -> str | None:
             # 0.6 s of answer: every twin, sent at once, arrives while it runs
             body = chat_body(f"turn {i}", tokens=4, delay=0.15, prefix=f"T{i}-")
             async with clients[client_no].stream("POST", CHAT, json=body) as r:
@@ -286,6 +288,12 @@ async def test_stress_identical_requests_routed_at_random_over_three_processes(
                     return None
                 rest = [e async for e in got]
             texts = "".join(e.text for e in [first, *rest])
+            if tolerate and rest and "failed in the process that sent it" in rest[-1].data:
+                # The known race (README, "Following a generation on another process"): the
+                # writer's last local client left between this follower's claim and its
+                # registration as a reader. A clear error, never a cut answer that looks whole.
+                raced.append(i)
+                return None
             assert rest[-1].data == "[DONE]" and not _errors(rest), (i, rest)
             return texts
 
@@ -299,7 +307,10 @@ async def test_stress_identical_requests_routed_at_random_over_three_processes(
                 if any(leaving):
                     left.add(f"T{i}-")
                 answers = await asyncio.gather(
-                    *(ask(i, c, leave) for c, leave in zip(routes, leaving, strict=True))
+                    *(
+                        ask(i, c, leave, any(leaving))
+                        for c, leave in zip(routes, leaving, strict=True)
+                    )
                 )
                 for answer in answers:
                     assert answer in (None, "".join(f"T{i}-{k} " for k in range(4))), answer
@@ -312,6 +323,7 @@ async def test_stress_identical_requests_routed_at_random_over_three_processes(
         assert all(n == 1 for t, n in per_turn.items() if t not in left), per_turn
         assert all(n <= 2 for n in per_turn.values()), per_turn
         assert left and sum(per_turn[t] for t in left) < 2 * len(left)  # most still shared
+        assert len(raced) <= len(left) // 2, raced  # the race is narrow: rare, not the rule
         for p in proxies:
             await p.runtime.wait_idle()
 
