@@ -28,6 +28,7 @@ from proxy import dialects
 from proxy.errors import StreamfenceError, Superseded, UpstreamError
 from proxy.generation import Generation
 from proxy.logs import Record
+from proxy.registry import Lease
 from proxy.routing import response_headers
 
 Message = dict[str, Any]
@@ -137,7 +138,7 @@ class Subscriber:
         generation.attach(self)  # now: no await before the race owns it
 
     @property
-    def lease(self) -> Any:
+    def lease(self) -> Lease | None:
         return self.gen.lease
 
     # -- cancellations: each records its cause once ----------------------------------------
@@ -237,18 +238,18 @@ class Subscriber:
         if not gen.is_sse:
             await self._start(send, reframed=False)
             self._fence = None  # past the fence once the headers are out (CONTRACT section 2)
-            await self._copy(send, fenced=False)
+            await self._copy(send)
             return
         self.record.streaming = True
         await self._start(send, reframed=True)
-        if not await self._copy(send, fenced=True):
+        if not await self._copy(send):
             return
         if gen.error is not None:
             raise gen.error
         if not gen.completed:
             raise UpstreamError("streamfence: the upstream stream was closed before its end")
 
-    async def _copy(self, send: Send, *, fenced: bool) -> bool:
+    async def _copy(self, send: Send) -> bool:
         """The buffer from this client's cursor, then live; False when the fence dropped it."""
         gen = self.gen
         while True:
@@ -263,31 +264,34 @@ class Subscriber:
                 finally:
                     self.parked = False
                 continue
-            if fenced and gen.fenced_at is not None:
-                # The fence check, right before the write and with no await between them:
-                # a subscriber woken by the reader may run after the newer claim.
-                self.record.dropped += len(events)
+            if not await self._deliver(send, events):
                 return False
-            await self._write(send, events)
-            self.cursor += len(events)
-            gen.progress()
 
     async def write_inline(self, events: list[bytes]) -> None:
-        """The generation's reader writes the events this parked client is waiting for, with
-        the same fence check. Whatever goes wrong is left for this client's own task to see:
-        it is still parked, and the generation wakes it at its end."""
-        gen = self.gen
-        if gen.is_sse and gen.fenced_at is not None:
-            self.record.dropped += len(events)
-            return
+        """The generation's reader writes the events this parked client is waiting for.
+        Whatever goes wrong is left for this client's own task to see: it is still parked,
+        and the generation wakes it at its end."""
         assert self._send is not None
         self._inline_done.clear()
         try:
-            await self._write(self._send, events)
+            await self._deliver(self._send, events)
         finally:
             self._inline_done.set()
+
+    async def _deliver(self, send: Send, events: list[bytes]) -> bool:
+        """The fence check, then the write; False when fenced (the events are dropped).
+
+        Nothing awaits between the check and the write: a subscriber woken by the reader
+        may run after the newer claim, and the reader writing inline may have been fenced
+        in its own step. A non-SSE body is past the fence (CONTRACT section 2)."""
+        gen = self.gen
+        if gen.is_sse and gen.fenced_at is not None:
+            self.record.dropped += len(events)
+            return False
+        await self._write(send, events)
         self.cursor += len(events)
         gen.progress()
+        return True
 
     async def _start(self, send: Send, *, reframed: bool) -> None:
         headers = response_headers(self.gen.raw_headers, reframed=reframed)
