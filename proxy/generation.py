@@ -120,8 +120,7 @@ class Generation:
         self.done = False  # the reader has finished, for any reason
         self.completed = False  # ... and the upstream's whole answer is in the buffer
         self.retained = ask.retain_for > 0  # kept after its clients leave, for replays
-        self.started = time.monotonic()
-        self.last_activity = self.started  # the later of the request and its last byte
+        self.last_activity = time.monotonic()  # the later of the request and its last byte
         self.forwarded_at: float | None = None  # perf_counter readings, for the records
         self.headers_at: float | None = None
         self.closed_at: float | None = None
@@ -145,16 +144,12 @@ class Generation:
         return self.base + len(self.events)
 
     @property
-    def clients(self) -> int:
-        return len(self._watchers)
-
-    @property
     def token(self) -> int | None:
         return None if self.lease is None else self.lease.token
 
-    def healthy(self, within: float, now: float | None = None) -> bool:
+    def healthy(self, within: float, now: float) -> bool:
         """Upstream showed life (request sent, or a byte read) less than `within` ago."""
-        return (time.monotonic() if now is None else now) - self.last_activity < within
+        return now - self.last_activity < within
 
     def event_id(self, n: int) -> bytes:
         return b"%d-%d" % (self.token or 0, n)
@@ -352,16 +347,20 @@ class Generation:
             if not self.followable:
                 self._trim()
             return
+        if not self.done and self.writer is not None and not self.writer.broken:
+            # Other processes may read it: they decide, in the background (no await here,
+            # where a local twin could attach meanwhile).
+            _spawn(self._close_unless_read_elsewhere())
+            return
+        await self._close_for_want_of_clients()
+
+    async def _close_for_want_of_clients(self) -> None:
+        """No client is left: close the upstream if it is still open, then release."""
         if not self.done:
-            if self.writer is not None and not self.writer.broken:
-                # Other processes may read it: they decide, in the background (no await
-                # here, where a local twin could attach meanwhile).
-                _spawn(self._close_unless_read_elsewhere())
-                return
             self.closing = True
             self._stop_reader()
         if not self.finished.is_set():
-            await self.finished.wait()  # the subscriber calls this shielded
+            await self.finished.wait()  # the last subscriber calls this shielded
         if not self.retained:
             await self.end()
 
@@ -391,18 +390,11 @@ class Generation:
                 if self.done or not readers:
                     break
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(self.finished.wait()), HEARTBEAT)
+                    await asyncio.wait_for(self.finished.wait(), HEARTBEAT)
         except Exception:  # whatever went wrong, the upstream and the lease must not leak
             log.exception("streamfence: counting a generation's readers elsewhere failed")
-        if self._watchers:
-            return
-        if not self.done:
-            self.closing = True
-            self._stop_reader()
-        if not self.finished.is_set():
-            await self.finished.wait()  # the subscriber calls this shielded
-        if not self.retained:
-            await self.end()
+        if not self._watchers:
+            await self._close_for_want_of_clients()
 
     async def end(self) -> None:
         """Release the lease and the buffer; once."""
