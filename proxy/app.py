@@ -200,14 +200,14 @@ class ProxyEndpoint:
         decision = self._decide(up, turn, last_event_id)
         if decision.refused:
             rt.metrics.follow_refused.labels(up.name, decision.refused).inc()
-        write_timeout = rt.config.server.write_timeout
+
+        def served(how: str, cursor: int = 0) -> Exchange:
+            record.source = how
+            return Exchange(record.dialect, short, how, cursor, own, rt.config.server.write_timeout)
+
         if decision.action == follow.FOLLOW:
             assert decision.generation is not None
-            record.source = decision.how
-            exchange = Exchange(
-                record.dialect, short, decision.how, decision.cursor, own, write_timeout
-            )
-            return decision.generation, exchange
+            return decision.generation, served(decision.how, decision.cursor)
         if decision.action == follow.NOTHING_LEFT:
             raise NothingLeft
         if decision.action == follow.STALE:
@@ -223,17 +223,15 @@ class ProxyEndpoint:
             answer = await self._claim_or_follow(up, ask, last_event_id)
             if isinstance(answer, tuple):  # the generation of another process, followed
                 generation, how, cursor = answer
-                record.source = how
-                return generation, Exchange(record.dialect, short, how, cursor, own, write_timeout)
+                return generation, served(how, cursor)
             if answer is None:  # beside it: fences nobody, fenced by nobody
                 decision = Decision(follow.BESIDE, how="beside")
                 ask = self._ask(up, route, record, turn, headers, body, keyed=False, trace=False)
             else:
                 lease = answer
-        record.source = decision.how
         generation = rt.generations.start(ask, lease)
         rt.metrics.generations.labels(up.name).inc()
-        return generation, Exchange(record.dialect, short, decision.how, 0, own, write_timeout)
+        return generation, served(decision.how)
 
     def _ask(
         self,
@@ -303,19 +301,10 @@ class ProxyEndpoint:
         assert generations is not None
         if turn is None:
             return Decision(follow.NEW)
-        live = generations.lookup(turn.key)
-        now = time.monotonic()
-        if live is None:
-            if generations.nothing_left(turn.key, last_event_id):
-                return Decision(follow.NOTHING_LEFT)
-            replaced_by = generations.stale(turn.key, turn.body_fingerprint, now)
-            if replaced_by is not None:
-                return Decision(follow.STALE, replaced_by=replaced_by)
-            return Decision(follow.NEW)
         attempt = Attempt(
             turn.body_fingerprint, turn.streaming, turn.source == "header", last_event_id
         )
-        return follow.decide(live, attempt, self.rt.policies[up.name], now)
+        return generations.decide(turn.key, attempt, self.rt.policies[up.name], time.monotonic())
 
 
 def _retired(replaced: Generation | None) -> frozenset[str]:

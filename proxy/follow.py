@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from proxy.generation import Ask, Budget, Generation
 from proxy.registry import Lease, Registry
@@ -31,7 +31,7 @@ FOLLOW: Final = "follow"
 BESIDE: Final = "beside"
 NOTHING_LEFT: Final = "nothing_left"  # a resume at the very end of a completed generation
 STALE: Final = "stale"  # a retry of a body the running generation replaced: refused
-FINAL_IDS_KEPT: Final = 4096
+KEPT: Final = 4096  # turns whose last generation the table remembers, per memory
 # How long a turn remembers the versions its generations replaced, after they are over: a
 # client that retries a 409 with backoff (the Vercel AI SDK: 2 s, then 4 s) must not get an
 # answer to the old version once the new one has finished, a second writer for the turn.
@@ -120,18 +120,22 @@ class Generations:
     def lookup(self, key: str) -> Generation | None:
         return self._live.get(key)
 
-    def nothing_left(self, key: str, last_event_id: bytes | None) -> bool:
-        """`last_event_id` is the last event of the turn's completed generation."""
+    def decide(self, key: str, attempt: Attempt, policy: Policy, now: float) -> Decision:
+        """`decide` against the turn's live generation; with none, what the table remembers
+        of its last one: a resume from its final event, a repeat of a version it replaced."""
+        live = self._live.get(key)
+        if live is not None:
+            return decide(live, attempt, policy, now)
         final = self._final.get(key)
-        return final is not None and last_event_id is not None and last_event_id.strip() == final
-
-    def stale(self, key: str, body_hash: str | None, now: float) -> int | None:
-        """The attempt of the recent generation that replaced the version `body_hash`."""
-        entry = self._retired.get(key)
-        if entry is None or body_hash is None:
-            return None
-        ended, retired, attempt = entry
-        return attempt if now - ended < RETIRED_SECONDS and body_hash in retired else None
+        if final is not None and attempt.last_event_id is not None:
+            if attempt.last_event_id.strip() == final:
+                return Decision(NOTHING_LEFT)
+        retired = self._retired.get(key)
+        if retired is not None and attempt.body_hash is not None:
+            ended, bodies, replaced_by = retired
+            if now - ended < RETIRED_SECONDS and attempt.body_hash in bodies:
+                return Decision(STALE, replaced_by=replaced_by)
+        return Decision(NEW)
 
     def start(self, ask: Ask, lease: Lease | None = None) -> Generation:
         """A new generation of `ask` (`lease`: its turn claimed already)."""
@@ -162,15 +166,14 @@ class Generations:
         del self._live[key]
         if generation.ask.retired:
             attempt = 0 if generation.lease is None else generation.lease.attempt
-            self._retired[key] = (time.monotonic(), generation.ask.retired, attempt)
-            self._retired.move_to_end(key)
-            while self._retired and (
-                len(self._retired) > FINAL_IDS_KEPT
-                or next(iter(self._retired.values()))[0] < self._retired[key][0] - RETIRED_SECONDS
-            ):
-                self._retired.popitem(last=False)  # the oldest: over the cap, or expired
+            _remember(self._retired, key, (time.monotonic(), generation.ask.retired, attempt))
         if generation.completed and generation.ask.stamp_ids and generation.token is not None:
-            self._final[key] = generation.event_id(generation.last_id)
-            self._final.move_to_end(key)
-            if len(self._final) > FINAL_IDS_KEPT:
-                self._final.popitem(last=False)
+            _remember(self._final, key, generation.event_id(generation.last_id))
+
+
+def _remember(memory: OrderedDict[str, Any], key: str, value: Any) -> None:
+    """Keep `value` for `key`, the most recent of at most KEPT keys (expiry is the reader's)."""
+    memory[key] = value
+    memory.move_to_end(key)
+    if len(memory) > KEPT:
+        memory.popitem(last=False)
