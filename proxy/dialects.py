@@ -32,19 +32,14 @@ _GOOGLE_STATUS: Final = {
     504: "DEADLINE_EXCEEDED",
 }
 
-# The markers of a stream's last event, per dialect: once one is written, the client has the
+# The types of a stream's last event, per dialect: once one is written, the client has the
 # whole answer, whatever it does next (hermes-agent closes right after `[DONE]`). Gemini and
 # plain SSE have none: their end is the end of the body.
-_TERMINATORS: Final = {
-    OPENAI_CHAT: (b"data: [DONE]", b"data:[DONE]"),
-    OPENAI_RESPONSES: (
-        b"event: response.completed",
-        b"event: response.incomplete",
-        b"event: response.failed",
-        b'data: {"type":"response.completed"',
-    ),
-    ANTHROPIC: (b"event: message_stop", b'data: {"type":"message_stop"'),
+_TERMINAL_TYPES: Final = {
+    OPENAI_RESPONSES: ("response.completed", "response.incomplete", "response.failed"),
+    ANTHROPIC: ("message_stop",),
 }
+_TERMINAL_MARKS: Final = {d: tuple(t.encode() for t in ts) for d, ts in _TERMINAL_TYPES.items()}
 
 
 def detect(path: str, configured: str = "auto") -> str:
@@ -63,9 +58,21 @@ def detect(path: str, configured: str = "auto") -> str:
 
 
 def is_terminal(dialect: str, event: bytes) -> bool:
-    """`event` is its stream's last one (a success or a final failure the upstream sent)."""
-    marks = _TERMINATORS.get(dialect)
-    return marks is not None and event.startswith(marks)
+    """`event` is its stream's last one (a success or a final failure the upstream sent).
+
+    A substring test first, on every relayed event; only an event that passes it is parsed,
+    so that field order (`id:` or `data:` before `event:`), spacing and the JSON's own
+    formatting (servers differ) do not matter, and a text delta that merely mentions
+    `[DONE]` or `message_stop` is not taken for the end."""
+    if dialect == OPENAI_CHAT:
+        return b"[DONE]" in event and parse_fields(event).get("data", "").strip() == "[DONE]"
+    marks = _TERMINAL_MARKS.get(dialect)
+    if marks is None or not any(mark in event for mark in marks):
+        return False
+    types = _TERMINAL_TYPES[dialect]
+    if parse_fields(event).get("event") in types:
+        return True
+    return _last_json(event).get("type") in types
 
 
 def _dumps(obj: Any) -> str:

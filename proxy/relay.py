@@ -311,7 +311,7 @@ class Subscriber:
         if self.gen.is_sse:
             self.record.events += len(events)
             self.last_event = events[-1]
-            if dialects.is_terminal(self.ex.dialect, self.last_event):
+            if not self.delivered and any(dialects.is_terminal(self.ex.dialect, e) for e in events):
                 self.delivered = True  # whatever the client does now, it has the answer
 
     def _superseded_error(self) -> Superseded:

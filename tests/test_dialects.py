@@ -307,3 +307,41 @@ def test_frame_never_fails_on_a_hostile_last_event(dialect: str, last: bytes) ->
         assert list(body) == ["error"] and body["error"]["code"] == "stream_superseded"
     if dialect == OPENAI_RESPONSES:
         assert body["sequence_number"] == 0
+
+
+@pytest.mark.parametrize(
+    ("dialect", "event", "last"),
+    [
+        (dialects.OPENAI_CHAT, b"data: [DONE]\n\n", True),
+        (dialects.OPENAI_CHAT, b"data:[DONE]\r\n\r\n", True),
+        (dialects.OPENAI_CHAT, b"id: 7\ndata: [DONE]\n\n", True),  # an id line first
+        (dialects.OPENAI_CHAT, b'data: {"choices":[{"delta":{"content":"[DONE]"}}]}\n\n', False),
+        (dialects.OPENAI_RESPONSES, b'event: response.completed\ndata: {"type":"x"}\n\n', True),
+        # data before event (field order is free), Python's spaced JSON, no event line at all
+        (dialects.OPENAI_RESPONSES, b"data: {}\nevent: response.failed\n\n", True),
+        (
+            dialects.OPENAI_RESPONSES,
+            b'data: {"type": "response.completed", "response": {}}\n\n',
+            True,
+        ),
+        (dialects.OPENAI_RESPONSES, b'data: {"type":"response.incomplete"}\r\n\r\n', True),
+        (
+            dialects.OPENAI_RESPONSES,
+            b'event: response.output_text.delta\ndata: {"delta":"response.completed"}\n\n',
+            False,
+        ),
+        (dialects.ANTHROPIC, b'event: message_stop\ndata: {"type":"message_stop"}\n\n', True),
+        (dialects.ANTHROPIC, b'data: {"type": "message_stop"}\n\n', True),
+        (
+            dialects.ANTHROPIC,
+            b'event: content_block_delta\ndata: {"delta":{"text":"message_stop"}}\n\n',
+            False,
+        ),
+        (dialects.GEMINI, b'data: {"candidates":[{"finishReason":"STOP"}]}\n\n', False),
+        (dialects.SSE, b"data: [DONE]\n\n", False),
+    ],
+)
+def test_the_last_event_of_a_stream_is_told_whatever_the_servers_layout(
+    dialect: str, event: bytes, last: bool
+) -> None:
+    assert dialects.is_terminal(dialect, event) is last
