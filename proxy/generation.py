@@ -77,6 +77,14 @@ class Ask:
     retired: frozenset[str] = frozenset()
 
 
+def parse_event_id(last_event_id: bytes) -> tuple[int, int] | None:
+    """The generation token and event number of one of the proxy's `<token>-<n>` ids."""
+    token, _, number = last_event_id.strip().partition(b"-")
+    if not token.isdigit() or not number.isdigit() or len(token) > 20 or len(number) > 12:
+        return None
+    return int(token), int(number)
+
+
 def with_id(event: bytes, event_id: bytes) -> bytes:
     """`event` with an `id:` line added last, so that it wins over an upstream id of its own."""
     if event.endswith(b"\r\n"):
@@ -158,11 +166,10 @@ class Generation:
         """Where a `Last-Event-ID` resumes in this generation, None if it is not one of its."""
         if last_event_id is None or not self.ask.stamp_ids or self.token is None:
             return None
-        token, _, number = last_event_id.strip().partition(b"-")
-        if token != b"%d" % self.token or not number.isdigit() or len(number) > 12:
+        parsed = parse_event_id(last_event_id)
+        if parsed is None or parsed[0] != self.token:
             return None
-        n = int(number)
-        return n if self.base <= n <= self.last_id else None
+        return parsed[1] if self.base <= parsed[1] <= self.last_id else None
 
     # -- the reader ---------------------------------------------------------------------
     async def _read(self) -> None:
@@ -204,10 +211,7 @@ class Generation:
             self.error = exc
         finally:
             await self._close_response()
-            self.done = True
-            self.headers_ready.set()
-            self._wake()
-            self.finished.set()
+            self._read_over()
             if self.writer is not None:
                 outcome = (
                     "superseded" if self.fenced else "completed" if self.completed else "failed"
@@ -218,6 +222,13 @@ class Generation:
                 self._expiry = loop.call_later(self.ask.retain_for, self._unretain)
             else:
                 self._unretain()
+
+    def _read_over(self) -> None:
+        """The reader's end, for any reason: every waiting subscriber may now finish."""
+        self.done = True
+        self.headers_ready.set()
+        self._wake()
+        self.finished.set()
 
     async def _close_response(self) -> None:
         response, self.response = self.response, None

@@ -26,8 +26,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from proxy import upstream
 from proxy.errors import GenerationLost, UpstreamError
-from proxy.generation import Ask, Budget, Generation
+from proxy.generation import Ask, Budget, Generation, parse_event_id
 from proxy.registry import Lease
 from proxy.upstream import UpstreamClient
 
@@ -38,13 +39,10 @@ if TYPE_CHECKING:
 
 def cursor_after(follow: Follow, last_event_id: bytes | None) -> int | None:
     """Where a `Last-Event-ID` resumes in the remote generation (None: from the start)."""
-    if last_event_id is None:
+    parsed = None if last_event_id is None else parse_event_id(last_event_id)
+    if parsed is None or parsed[0] != follow.token:
         return None
-    token, _, number = last_event_id.strip().partition(b"-")
-    if token != b"%d" % follow.token or not number.isdigit() or len(number) > 12:
-        return None
-    n = int(number)
-    return n if n <= follow.events else None
+    return parsed[1] if parsed[1] <= follow.events else None
 
 
 class RemoteGeneration(Generation):
@@ -81,7 +79,7 @@ class RemoteGeneration(Generation):
                 (n.encode("latin-1"), v.encode("latin-1")) for n, v in start.headers
             ]
             ctype = next((v for n, v in start.headers if n.lower() == "content-type"), "")
-            self.is_sse = ctype.lower().startswith("text/event-stream")
+            self.is_sse = upstream.is_event_stream_type(ctype)
             self.status = start.status
             self.headers_ready.set()
             async for batch in reader:
@@ -100,10 +98,7 @@ class RemoteGeneration(Generation):
             if reader is not None:
                 await asyncio.shield(reader.aclose())
             self.closed_at = time.perf_counter()
-            self.done = True
-            self.headers_ready.set()
-            self._wake()
-            self.finished.set()
+            self._read_over()
             self._unretain()
             if superseded:  # last: it cancels this task; then the subscribers write frames
                 lease.supersede()

@@ -218,8 +218,11 @@ def translate_errors(name: str, address: str = "") -> Iterator[None]:
 
 
 def is_event_stream(response: httpx.Response) -> bool:
-    ctype: str = response.headers.get("content-type", "")
-    return ctype.lower().startswith("text/event-stream")
+    return is_event_stream_type(response.headers.get("content-type", ""))
+
+
+def is_event_stream_type(content_type: str) -> bool:
+    return content_type.lower().startswith("text/event-stream")
 
 
 def event_chunks(response: httpx.Response) -> AsyncIterator[bytes]:
