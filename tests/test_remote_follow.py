@@ -306,16 +306,22 @@ async def test_stress_identical_requests_routed_at_random_over_three_processes(
                 leaving = [j == 0 and n > 2 and rng.random() < 0.5 for j in range(n)]
                 if any(leaving):
                     left.add(f"T{i}-")
-                answers = await asyncio.gather(
-                    *(
-                        ask(i, c, leave, any(leaving))
+                # A task group, not gather: a failing client cancels the others, so nothing
+                # is left streaming (and leaking sockets) into the tests that run next.
+                async with asyncio.TaskGroup() as tg:
+                    asks = [
+                        tg.create_task(ask(i, c, leave, any(leaving)))
                         for c, leave in zip(routes, leaving, strict=True)
-                    )
-                )
-                for answer in answers:
+                    ]
+                for answer in (a.result() for a in asks):
                     assert answer in (None, "".join(f"T{i}-{k} " for k in range(4))), answer
 
-        await asyncio.wait_for(asyncio.gather(*(turn(i) for i in range(60))), 120)
+        async def all_turns() -> None:
+            async with asyncio.TaskGroup() as tg:
+                for i in range(60):
+                    tg.create_task(turn(i))
+
+        await asyncio.wait_for(all_turns(), 120)
         per_turn: dict[str, int] = {}
         for seen in upstream.seen:
             per_turn[seen.script.prefix] = per_turn.get(seen.script.prefix, 0) + 1

@@ -81,9 +81,19 @@ class Current(NamedTuple):
 
 class GenerationLog:
     def __init__(
-        self, client: Client, *, maxlen: int = MAXLEN, ttl: float = TTL, linger: float = LINGER
+        self,
+        client: Client,
+        *,
+        reads: Client | None = None,
+        maxlen: int = MAXLEN,
+        ttl: float = TTL,
+        linger: float = LINGER,
     ) -> None:
         self.client = client
+        # Blocking reads (XREAD BLOCK CHECK_EVERY) want a socket timeout longer than the
+        # block itself; on `client` a loaded event loop would turn the block's own reply
+        # into a timeout, and a healthy follower into "Redis unreachable".
+        self.reads = reads or client
         self.maxlen = maxlen
         self.ttl_ms = int(ttl * 1000)
         self.linger_ms = int(linger * 1000)

@@ -165,10 +165,11 @@ class LogReader:
                     return
 
     async def _xread(self) -> Any:
-        client, stream = self.log.client, self._keys[0]
+        client, stream = self.log.reads, self._keys[0]
         block = int(CHECK_EVERY * 1000)
         if not isinstance(client, RedisCluster):
             return await client.xread({stream: self._last_id}, count=READ_COUNT, block=block)
+        await client.initialize()  # the slot map (once; a no-op after)
         # Named node: the cluster client would otherwise ask a node for XREAD's keys
         # (COMMAND GETKEYS) before every read, a second round trip.
         args = ("COUNT", READ_COUNT, "BLOCK", block, "STREAMS", stream, self._last_id)

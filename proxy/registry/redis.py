@@ -36,8 +36,15 @@ from redis.commands.core import AsyncScript
 from proxy.config import RegistryConfig
 from proxy.errors import RegistryUnavailable
 from proxy.registry.base import Lease, Registry
-from proxy.registry.connection import COMMAND_TIMEOUT, Keys, call_each, connect, translate
-from proxy.registry.genlog import DEAD_AFTER, READER_TTL, GenerationLog
+from proxy.registry.connection import (
+    COMMAND_TIMEOUT,
+    Client,
+    Keys,
+    call_each,
+    connect,
+    translate,
+)
+from proxy.registry.genlog import CHECK_EVERY, DEAD_AFTER, READER_TTL, GenerationLog
 from proxy.registry.scripts import CLAIM, CLAIM_OR_FOLLOW, REFRESH, RELEASE
 from proxy.registry.subscriber import Recent, Subscriber
 
@@ -100,12 +107,14 @@ class RedisRegistry(Registry):
         self._warned_at = -WARN_EVERY
         self._suppressed = 0
         self._log: GenerationLog | None = None
+        self._reads: Client | None = None  # the log's blocking reads, made with the log
         self._watched: dict[str, set[Lease]] = {}  # other processes' generations followed here
 
     def generation_log(self) -> GenerationLog:
         """The generation log (`genlog`), on this registry's Redis connection."""
         if self._log is None:
-            self._log = GenerationLog(self._client)
+            self._reads = connect(self.config.url, command_timeout=COMMAND_TIMEOUT + CHECK_EVERY)
+            self._log = GenerationLog(self._client, reads=self._reads)
         return self._log
 
     def watch(self, lease: Lease) -> None:
@@ -140,6 +149,8 @@ class RedisRegistry(Registry):
         if self._background:
             await asyncio.wait(self._background, timeout=COMMAND_TIMEOUT)
         await self._client.aclose()
+        if self._reads is not None:
+            await self._reads.aclose()
 
     async def ready(self) -> bool:
         if self.fail_open:
