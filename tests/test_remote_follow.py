@@ -14,12 +14,14 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from proxy.registry.genlog import DETECT_WITHIN
 from proxy.registry.redis import RedisRegistry
 from tests.conftest import Proxy, ProxyFactory
-from tests.redis_server import REDIS_SERVER, Server
+from tests.netlink import Link
+from tests.redis_server import REDIS_SERVER, RedisServer, Server
 from tests.sse_client import Event, chat_body, events, open_stream
 from tests.test_registry_redis import ProxyProcess, _wait_subscribers
 from tests.upstream import ScriptedUpstream
@@ -233,6 +235,69 @@ async def test_followers_of_a_killed_process_get_an_error_then_a_retry_starts_an
         writer.stop()
 
 
+async def test_a_partition_between_the_writer_and_redis_keeps_its_answer_local(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, single_redis: RedisServer
+) -> None:
+    """The writer's process loses Redis (a black hole: no error, only silence) while another
+    process follows its generation: its own client still gets the whole answer (fail_open:
+    the generation carries on locally), the remote follower gets a clear error within the
+    liveness bound, never a hang or a clean end of a cut answer; once the network heals,
+    twins share a generation across the two processes again and nothing is left behind."""
+    body = chat_body(gated=True, tokens=4, prefix="S")
+    turn = {"X-Turn-Id": "remote-split"}
+    overrides = {"registry.backend": "redis", **HEALTHY}
+    async with (
+        Link(single_redis.port) as link,
+        make_proxy(upstream.url, **overrides, **{"registry.url": link.url}) as pa,
+        make_proxy(upstream.url, **overrides, **{"registry.url": single_redis.url}) as pb,
+    ):
+        for p in (pa, pb):
+            registry = p.runtime.registry
+            assert isinstance(registry, RedisRegistry)
+            await asyncio.wait_for(registry.wait_subscribed(), 10)
+        async with pa.client() as ca, pb.client() as cb, AsyncExitStack() as stack:
+            a = await open_stream(stack, ca, CHAT, body, turn)
+            a_events = events(a)
+            assert (await anext(a_events)).text == "S0 "
+            b = await open_stream(stack, cb, CHAT, body, turn)
+            assert b.headers["x-streamfence-source"] == "followed"
+            b_events = events(b)
+            assert (await anext(b_events)).text == "S0 "
+            link.cut()
+            cut = time.monotonic()
+            upstream.seen[0].release(10)
+            a_rest, b_rest = await asyncio.wait_for(
+                asyncio.gather(_rest(a_events), _rest(b_events)), DETECT_WITHIN + 10
+            )
+            assert "".join(e.text for e in a_rest) == "S1 S2 S3 "
+            assert a_rest[-1].data == "[DONE]" and not _errors(a_rest)
+            assert _errors(b_rest) == ["generation_lost"], b_rest
+            assert not any(e.data == "[DONE]" for e in b_rest)
+            assert time.monotonic() - cut <= DETECT_WITHIN + 2.0
+            link.heal()
+            # Healed: A's registry reconnects, and twins follow across processes again.
+            registry = pa.runtime.registry
+            assert isinstance(registry, RedisRegistry)
+            await asyncio.wait_for(registry.wait_subscribed(), 10)
+            twin = chat_body(gated=True, tokens=3, prefix="H")
+            again = {"X-Turn-Id": "remote-healed"}
+            first = await open_stream(stack, ca, CHAT, twin, again)
+            first_events = events(first)
+            assert (await anext(first_events)).text == "H0 "
+            second = await open_stream(stack, cb, CHAT, twin, again)
+            assert second.headers["x-streamfence-source"] == "followed"
+            upstream.seen[-1].release(10)
+            got = await asyncio.wait_for(
+                asyncio.gather(_rest(first_events), _rest(events(second))), 10
+            )
+            for rest in got:
+                assert rest[-1].data == "[DONE]" and not _errors(rest), rest
+        assert len(upstream.seen) == 2  # one generation per turn, partition or not
+        for p in (pa, pb):
+            await p.runtime.wait_idle()
+            assert p.runtime.registry.live_keys() == 0 and p.runtime.budget.used == 0
+
+
 async def test_without_follow_across_each_process_asks_for_itself(
     make_proxy: ProxyFactory, upstream: ScriptedUpstream, redis_server: Server
 ) -> None:
@@ -342,3 +407,111 @@ async def test_stress_identical_requests_routed_at_random_over_three_processes(
         while not await drained():
             assert time.monotonic() < deadline, [p.runtime.registry.live_keys() for p in proxies]
             await asyncio.sleep(0.05)
+
+
+@pytest.mark.stress
+async def test_stress_identical_and_different_bodies_over_three_processes_one_killed(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, redis_server: Server, tmp_path: Path
+) -> None:
+    """40 turns, each asked 2-3 times under one turn id with one of two bodies, routed at
+    random over three processes (one a real `python -m proxy`, killed with SIGKILL while
+    the turns run). Every response is checked against CONTRACT section 2: its events are
+    its own body's answer, of one generation, from the start and in order; it ends either
+    whole ([DONE], no error) or with one clear error frame and no [DONE]; or it is refused
+    as a stale repeat (409, not to be retried); or, on the killed process only, it breaks."""
+    rng = random.Random(151)
+    overrides = {"registry.backend": "redis", "registry.url": redis_server.url, **HEALTHY}
+    killed_proc = ProxyProcess(
+        upstream.url,
+        redis_server.url,
+        tmp_path / "c.log",
+        STREAMFENCE_UPSTREAM_HEALTHY_WITHIN="3600",
+    )
+    try:
+        await killed_proc.ready()
+        async with AsyncExitStack() as stack:
+            proxies = [
+                await stack.enter_async_context(make_proxy(upstream.url, **overrides))
+                for _ in range(2)
+            ]
+            await _wait_subscribers(redis_server, 3)
+            clients = [await stack.enter_async_context(p.client()) for p in proxies]
+            clients.append(await stack.enter_async_context(killed_proc.client()))
+            killed, halfway = asyncio.Event(), asyncio.Event()
+            started = 0
+            outcomes: dict[str, int] = {}
+
+            async def ask(i: int, route: int, variant: int) -> None:
+                prefix = f"T{i}v{variant}-"
+                body = chat_body(f"turn {i} version {variant}", tokens=4, delay=0.1, prefix=prefix)
+                headers = {"X-Turn-Id": f"stress-{i}"}
+                try:
+                    async with clients[route].stream("POST", CHAT, json=body, headers=headers) as r:
+                        if r.status_code != 200:
+                            await r.aread()
+                            code = r.json()["error"]["code"]
+                            if r.status_code == 409:  # a stale repeat: not to be retried
+                                assert r.headers["x-should-retry"] == "false"
+                            else:  # a generation lost with its writer before its start
+                                assert r.status_code == 502 and killed.is_set(), r.text
+                            what = f"{r.status_code} {code}"
+                            outcomes[what] = outcomes.get(what, 0) + 1
+                            return
+                        got = [e async for e in events(r)]
+                except httpx.TransportError:
+                    assert route == 2 and killed.is_set()  # only the killed process breaks
+                    outcomes["broken"] = outcomes.get("broken", 0) + 1
+                    return
+                errors = _errors(got)
+                texts = [e.text for e in got if e.text]
+                # Its own body's answer, one generation, from its start, in order.
+                assert texts == [f"{prefix}{k} " for k in range(len(texts))], (i, got)
+                if got and got[-1].data == "[DONE]":
+                    assert not errors and len(texts) == 4, (i, got)
+                    outcomes["whole"] = outcomes.get("whole", 0) + 1
+                else:
+                    assert len(errors) == 1 and got[-1].is_error, (i, got)
+                    assert not any(e.data == "[DONE]" for e in got)
+                    if errors[0] != "stream_superseded":
+                        assert killed.is_set(), (i, got)  # lost with its writer, nothing else
+                    outcomes[errors[0]] = outcomes.get(errors[0], 0) + 1
+
+            async def turn(i: int) -> None:
+                nonlocal started
+                n = rng.randint(2, 3)
+                plan = [(rng.randrange(3), rng.randrange(2), rng.random() * 0.3) for _ in range(n)]
+                started += 1
+                if started == 20:
+                    halfway.set()
+                async with asyncio.TaskGroup() as tg:
+                    for route, variant, offset in plan:
+                        tg.create_task(_after(offset, ask(i, route, variant)))
+
+            async def kill_midway() -> None:
+                await halfway.wait()
+                killed.set()
+                killed_proc.kill()
+
+            async def all_turns() -> None:
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(kill_midway())
+                    for i in range(40):
+                        tg.create_task(_after(i * 0.05, turn(i)))
+
+            await asyncio.wait_for(all_turns(), 120)
+            assert outcomes.get("whole", 0) >= 40, outcomes  # most turns end with an answer
+            assert outcomes.get("stream_superseded", 0) > 0, outcomes  # and bodies did race
+            for p in proxies:
+                await p.runtime.wait_idle()
+            deadline = time.monotonic() + 10
+            while any(p.runtime.registry.live_keys() or p.runtime.budget.used for p in proxies):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+    finally:
+        killed_proc.stop()
+
+
+async def _after(delay: float, work: Any) -> None:
+    # Spreads arrivals over time (random interleavings), not a synchronisation.
+    await asyncio.sleep(delay)
+    await work
