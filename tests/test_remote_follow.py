@@ -413,19 +413,22 @@ async def test_stress_identical_requests_routed_at_random_over_three_processes(
 async def test_stress_identical_and_different_bodies_over_three_processes_one_killed(
     make_proxy: ProxyFactory, upstream: ScriptedUpstream, redis_server: Server, tmp_path: Path
 ) -> None:
-    """40 turns, each asked 2-3 times under one turn id with one of two bodies, routed at
-    random over three processes (one a real `python -m proxy`, killed with SIGKILL while
-    the turns run). Every response is checked against CONTRACT section 2: its events are
-    its own body's answer, of one generation, from the start and in order; it ends either
-    whole ([DONE], no error) or with one clear error frame and no [DONE]; or it is refused
-    as a stale repeat (409, not to be retried); or, on the killed process only, it breaks."""
+    """40 turns, each asked 2-3 times under one turn id with one of three bodies (one of
+    them stalls: 0.5 s between events, over the 0.3 s health window, so its twins fence it
+    instead of following it), routed at random over three processes (one a real
+    `python -m proxy`, killed with SIGKILL while the turns run). Every response is checked
+    against CONTRACT section 2: its events are its own body's answer, of one generation,
+    from the start and in order; it ends either whole ([DONE], no error) or with one clear
+    error frame and no [DONE]; or it is refused as a stale repeat (409, not to be retried);
+    or, on the killed process only, it breaks."""
     rng = random.Random(151)
-    overrides = {"registry.backend": "redis", "registry.url": redis_server.url, **HEALTHY}
+    stalls = {"upstream.healthy_within": 0.3}
+    overrides = {"registry.backend": "redis", "registry.url": redis_server.url, **stalls}
     killed_proc = ProxyProcess(
         upstream.url,
         redis_server.url,
         tmp_path / "c.log",
-        STREAMFENCE_UPSTREAM_HEALTHY_WITHIN="3600",
+        STREAMFENCE_UPSTREAM_HEALTHY_WITHIN="0.3",
     )
     try:
         await killed_proc.ready()
@@ -443,7 +446,10 @@ async def test_stress_identical_and_different_bodies_over_three_processes_one_ki
 
             async def ask(i: int, route: int, variant: int) -> None:
                 prefix = f"T{i}v{variant}-"
-                body = chat_body(f"turn {i} version {variant}", tokens=4, delay=0.1, prefix=prefix)
+                delay = 0.5 if variant == 2 else 0.1
+                body = chat_body(
+                    f"turn {i} version {variant}", tokens=4, delay=delay, prefix=prefix
+                )
                 headers = {"X-Turn-Id": f"stress-{i}"}
                 try:
                     async with clients[route].stream("POST", CHAT, json=body, headers=headers) as r:
@@ -479,7 +485,7 @@ async def test_stress_identical_and_different_bodies_over_three_processes_one_ki
             async def turn(i: int) -> None:
                 nonlocal started
                 n = rng.randint(2, 3)
-                plan = [(rng.randrange(3), rng.randrange(2), rng.random() * 0.3) for _ in range(n)]
+                plan = [(rng.randrange(3), rng.randrange(3), rng.random() * 0.3) for _ in range(n)]
                 started += 1
                 if started == 20:
                     halfway.set()
@@ -499,7 +505,7 @@ async def test_stress_identical_and_different_bodies_over_three_processes_one_ki
                         tg.create_task(_after(i * 0.05, turn(i)))
 
             await asyncio.wait_for(all_turns(), 120)
-            assert outcomes.get("whole", 0) >= 40, outcomes  # most turns end with an answer
+            assert outcomes.get("whole", 0) >= 30, outcomes  # most turns end with an answer
             assert outcomes.get("stream_superseded", 0) > 0, outcomes  # and bodies did race
             for p in proxies:
                 await p.runtime.wait_idle()
