@@ -147,7 +147,13 @@ class RedisRegistry(Registry):
                 await task
         self._tasks = []
         if self._background:
-            await asyncio.wait(self._background, timeout=COMMAND_TIMEOUT)
+            _, late = await asyncio.wait(self._background, timeout=COMMAND_TIMEOUT)
+            # Not left to run on a closed client (which would connect again) or to whoever
+            # closes the event loop: cancelled here, and waited for, still bounded.
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late, timeout=COMMAND_TIMEOUT)
         await self._client.aclose()
         if self._reads is not None:
             await self._reads.aclose()
