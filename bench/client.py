@@ -38,6 +38,7 @@ class Result:
     done_at: float = 0.0
     gaps: list[float] = field(default_factory=list)
     error: str = ""
+    last: bytes = b""  # the end of the body: what a stream that fell short ended with
 
 
 class Conn(asyncio.Protocol):
@@ -81,6 +82,7 @@ class Conn(asyncio.Protocol):
         self.result.status = self.parser.get_status_code()
 
     def on_body(self, body: bytes) -> None:
+        self.result.last = (self.result.last + body)[-400:]
         n = body.count(b"\n\n")
         if self.tail == b"\n" and body[:1] == b"\n":
             n += 1

@@ -64,11 +64,17 @@ async def scenario(origin: int, follower: int, spec: dict[str, Any], tag: str) -
     followers = [b for _, b in pairs]
     want = spec["tokens"] + 2
     whole = sum(1 for b in followers if b.events == want and not b.error and b.status == 200)
+    short = [
+        (b.status, b.events, b.error, b.last[-200:].decode(errors="replace"))
+        for b in followers
+        if b.events != want or b.error
+    ]
     gaps = [g for b in followers for g in b.gaps]
     tails = [b.done_at - a.done_at for a, b in pairs]
     a, b = pairs[0]
     return {
         "whole": whole,
+        "short": short[:2],  # what the first followers that fell short got
         "of": len(followers),
         "wall_s": max(b.done_at for b in followers) - start,
         "gap_p99_ms": _pct(gaps, 0.99) * 1000,
@@ -113,6 +119,8 @@ def measure(rounds: int, plan: dict[str, dict[str, Any]]) -> dict[str, dict[str,
                         row = out.setdefault(f"{name} {where}", {})
                         for k, v in got.items():
                             row.setdefault(k, []).append(v)
+                        if got["short"]:
+                            print(name, where, "short:", got["short"], file=sys.stderr)
         finally:
             for p in [*procs, up]:
                 p.terminate()

@@ -30,7 +30,14 @@ from proxy.registry.genlog import (
     LogWriter,
 )
 from proxy.registry.redis import RedisRegistry
-from tests.redis_server import REDIS_SERVER, RedisClusterServer, Server, redis_client
+from tests.netlink import Link
+from tests.redis_server import (
+    REDIS_SERVER,
+    RedisClusterServer,
+    RedisServer,
+    Server,
+    redis_client,
+)
 
 pytestmark = pytest.mark.skipif(
     REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)"
@@ -309,3 +316,39 @@ async def test_maxmemory_nothing_hangs(redis_server: Server, policy: str) -> Non
             await _config_set(redis_server, maxmemory="0", maxmemory_policy="noeviction")
             await reader.aclose()
         await asyncio.wait_for(writer.end("completed"), 5)
+
+
+async def test_a_reader_rides_out_a_short_silence_of_redis_and_reports_a_long_one(
+    single_redis: RedisServer,
+) -> None:
+    """A follower cut off from Redis for less than DETECT_WITHIN (its reads time out once:
+    the socket timeout is 1.5 s) carries on with nothing lost or doubled; cut off for longer,
+    it gets GenerationLost("unavailable") within the bound, never a hang."""
+    async with registries(single_redis, 1) as (a,), Link(single_redis.port) as link:
+        b = RedisRegistry(RegistryConfig(backend="redis", url=link.url))
+        await b.start()
+        try:
+            writer = await a.generation_log().open("quiet", 4, body_hash="h", streaming=True)
+            writer.append([ev(0)])
+            reader = await b.generation_log().follow("quiet", 4)
+            assert _flat(await _take(reader, 1)) == [(0, ev(0))]
+            pending = asyncio.ensure_future(_take(reader, 2, within=DETECT_WITHIN + 5))
+            link.cut()
+            writer.append([ev(1)])
+            await asyncio.sleep(
+                2.0
+            )  # the partition's length: over one read's timeout, under the bound
+            link.heal()
+            writer.append([ev(2)])
+            assert _flat(await pending) == [(1, ev(1)), (2, ev(2))]
+            link.cut()
+            cut = time.monotonic()
+            with pytest.raises(GenerationLost) as lost:
+                await asyncio.wait_for(anext(reader), DETECT_WITHIN + 3)
+            assert lost.value.reason == "unavailable"
+            assert time.monotonic() - cut <= DETECT_WITHIN + 2.0
+            link.heal()
+            await reader.aclose()
+            await writer.end("completed")
+        finally:
+            await b.close()

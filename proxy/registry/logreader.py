@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 import uuid
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -30,6 +31,7 @@ CHECK_EVERY = 0.5  # a reader re-registers and checks the writer this often
 DETECT_WITHIN = DEAD_AFTER + 2 * CHECK_EVERY  # a check, then a blocked read returning
 READER_TTL = 3.0  # a reader that stops refreshing is not counted after this
 READ_COUNT = 512  # entries per XREAD
+RETRY_AFTER = 0.1  # a failed read or check is tried again this soon (see _patiently)
 
 
 class Start(NamedTuple):
@@ -97,18 +99,13 @@ class LogReader:
         self._closed = False
         self._error: GenerationLost | None = None
         self._keepalive: asyncio.Task[None] | None = None
+        self._answered_at = time.monotonic()  # Redis's last answer to this reader
 
     async def check(self) -> Meta:
         """Refresh the registration; raise if the log is gone or its writer stopped."""
-        with self._lost("unavailable"):
-            reply = await self.log._follow(
-                keys=self._keys,
-                args=[
-                    "" if self._closed else self.id,
-                    int(READER_TTL * 1000),
-                    self.log.ttl_ms,
-                ],
-            )
+        args: list[str | int] = ["" if self._closed else self.id, int(READER_TTL * 1000)]
+        args.append(self.log.ttl_ms)
+        reply = await self._patiently(lambda: self.log._follow(keys=self._keys, args=args))
         if len(reply) < 2:
             raise GenerationLost("not_found" if self.meta is None else "lost", _MESSAGES["lost"])
         self.meta = meta = Meta.parse(int(reply[0]), reply[1:])
@@ -155,8 +152,7 @@ class LogReader:
     async def _pull(self) -> None:
         if self._error is not None:
             raise self._error
-        with self._lost("unavailable"):
-            reply = await self._xread()
+        reply = await self._patiently(self._xread)
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
                 self._last_id = entry_id
@@ -199,13 +195,23 @@ class LogReader:
                 raise GenerationLost("lost", _MESSAGES["lost"])
             self.outcome = outcome
 
-    @contextlib.contextmanager
-    def _lost(self, reason: str) -> Iterator[None]:
-        try:
-            with translate("follow"):
-                yield
-        except RegistryUnavailable as exc:
-            raise GenerationLost(reason, _MESSAGES[reason]) from exc
+    async def _patiently(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """`call`, retried until Redis has not answered this reader for DETECT_WITHIN.
+
+        Under load (a busy event loop, a burst of new pooled connections) one call can time
+        out while Redis is fine; failing the follower then would end a healthy answer. Only
+        a silence as long as the one that declares a writer dead is "unreachable"."""
+        while True:
+            try:
+                with translate("follow"):
+                    reply = await call()
+            except RegistryUnavailable as exc:
+                if time.monotonic() - self._answered_at > DETECT_WITHIN:
+                    raise GenerationLost("unavailable", _MESSAGES["unavailable"]) from exc
+                await asyncio.sleep(RETRY_AFTER)
+                continue
+            self._answered_at = time.monotonic()
+            return reply
 
     async def aclose(self) -> None:
         if self._closed:
