@@ -2,7 +2,8 @@
 
 `started` and `append` only queue: the relay never waits on Redis. One task sends, one
 script per write (one round trip), coalescing the batches that queued up meanwhile; it
-stamps the writer's liveness at least every HEARTBEAT. Any failure marks the writer
+stamps the writer's liveness at least every HEARTBEAT. A failed write is tried again until
+no write has succeeded for DEAD_AFTER; then, or when Redis lost the log, the writer is
 `broken` (logged once): it stops publishing, and its generation carries on locally.
 """
 
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from proxy.errors import RegistryUnavailable
 from proxy.registry.connection import COMMAND_TIMEOUT, translate
+from proxy.registry.logreader import DEAD_AFTER, RETRY_AFTER
 
 if TYPE_CHECKING:
     from proxy.registry.genlog import GenerationLog
@@ -56,6 +58,7 @@ class LogWriter:
         self._queue: deque[_Write] = deque()
         self._next = 0  # index of the next event appended
         self._pending = 0  # bytes queued
+        self._written_at = time.monotonic()  # Redis's last reply to a write
         self._ending = False
         self._refreshed = 0.0  # when the last write extended the expiry and counted readers
         self._wake = asyncio.Event()
@@ -136,12 +139,11 @@ class LogWriter:
                     await asyncio.wait_for(self._wake.wait(), HEARTBEAT)
             self._wake.clear()
             write = self._queue.popleft() if self._queue else _Write("", [], [])
-            try:
-                with translate("publish"):
-                    count = int(await self._send(write))
-            except RegistryUnavailable as exc:
-                self._give_up(exc.message)
+            count = await self._send_patiently(write)
+            if count is None:
                 return
+            if write.kind == "b":
+                self._pending -= sum(map(len, write.entry[1]))
             if count == -1:
                 self._give_up("Redis lost the log (restarted, or evicted it)")
                 return
@@ -151,6 +153,24 @@ class LogWriter:
                 self._idle.set()
             if write.kind == "e":
                 return
+
+    async def _send_patiently(self, write: _Write) -> int | None:
+        """The write's reply, retried until no write has succeeded for DEAD_AFTER (then the
+        writer gives up: None). Under load one call can time out while Redis is fine; its
+        readers tolerate that long a silence anyway. A write Redis did apply before its
+        reply was lost is sent again: readers drop the batches they have (by index)."""
+        while True:
+            try:
+                with translate("publish"):
+                    reply = int(await self._send(write))
+            except RegistryUnavailable as exc:
+                if time.monotonic() - self._written_at > DEAD_AFTER:
+                    self._give_up(exc.message)
+                    return None
+                await asyncio.sleep(RETRY_AFTER)
+                continue
+            self._written_at = time.monotonic()
+            return reply
 
     async def _send(self, write: _Write) -> Any:
         if write.kind == "o":
@@ -167,7 +187,6 @@ class LogWriter:
         meta = list(write.meta)
         if write.kind == "b":
             first, events = entry
-            self._pending -= sum(map(len, events))
             meta += ["next", first + len(events)]
             entry = ["i", first, "l", ",".join(str(len(e)) for e in events), "d", b"".join(events)]
         args = [ttl, self.log.maxlen, write.kind, len(meta) // 2, *meta, *entry]
