@@ -19,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 from binascii import crc_hqx
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from redis.asyncio import Redis
@@ -40,6 +41,9 @@ SLOTS = 16384
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 CONNECT_TIMEOUT = 0.5  # a claim sits in front of the first byte: fail fast, not late
 COMMAND_TIMEOUT = 1.0
+RETRY_AFTER = 0.1  # a call that failed is tried again this soon (patiently)
+
+T = TypeVar("T")
 
 Client = Redis | RedisCluster
 
@@ -139,3 +143,20 @@ def translate(what: str) -> Iterator[None]:
             f"streamfence: the shared turn registry (Redis) is unavailable ({what}: "
             f"{type(exc).__name__})"
         ) from exc
+
+
+async def patiently(
+    call: Callable[[], Awaitable[T]], what: str, *, answered_at: float, within: float
+) -> T:
+    """`call`, tried again while Redis last answered the caller less than `within` seconds
+    ago (`answered_at`, time.monotonic()); then its RegistryUnavailable. Under load (a busy
+    event loop, a burst of new pooled connections) one call can time out while Redis is
+    fine: a caller that gives up only after a silence that long ends nothing healthy."""
+    while True:
+        try:
+            with translate(what):
+                return await call()
+        except RegistryUnavailable:
+            if time.monotonic() - answered_at > within:
+                raise
+        await asyncio.sleep(RETRY_AFTER)

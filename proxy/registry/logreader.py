@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from redis.asyncio.cluster import RedisCluster
 
 from proxy.errors import GenerationLost, RegistryUnavailable
-from proxy.registry.connection import translate
+from proxy.registry.connection import patiently, translate
 
 if TYPE_CHECKING:
     from proxy.registry.genlog import GenerationLog
@@ -31,7 +31,6 @@ CHECK_EVERY = 0.5  # a reader re-registers and checks the writer this often
 DETECT_WITHIN = DEAD_AFTER + 2 * CHECK_EVERY  # a check, then a blocked read returning
 READER_TTL = 3.0  # a reader that stops refreshing is not counted after this
 READ_COUNT = 512  # entries per XREAD
-RETRY_AFTER = 0.1  # a failed read or check is tried again this soon (see _patiently)
 
 
 class Start(NamedTuple):
@@ -196,22 +195,16 @@ class LogReader:
             self.outcome = outcome
 
     async def _patiently(self, call: Callable[[], Awaitable[Any]]) -> Any:
-        """`call`, retried until Redis has not answered this reader for DETECT_WITHIN.
-
-        Under load (a busy event loop, a burst of new pooled connections) one call can time
-        out while Redis is fine; failing the follower then would end a healthy answer. Only
-        a silence as long as the one that declares a writer dead is "unreachable"."""
-        while True:
-            try:
-                with translate("follow"):
-                    reply = await call()
-            except RegistryUnavailable as exc:
-                if time.monotonic() - self._answered_at > DETECT_WITHIN:
-                    raise GenerationLost("unavailable", _MESSAGES["unavailable"]) from exc
-                await asyncio.sleep(RETRY_AFTER)
-                continue
-            self._answered_at = time.monotonic()
-            return reply
+        """`call`; GenerationLost once Redis has not answered this reader for DETECT_WITHIN,
+        as long as the silence that declares a writer dead."""
+        try:
+            reply = await patiently(
+                call, "follow", answered_at=self._answered_at, within=DETECT_WITHIN
+            )
+        except RegistryUnavailable as exc:
+            raise GenerationLost("unavailable", _MESSAGES["unavailable"]) from exc
+        self._answered_at = time.monotonic()
+        return reply
 
     async def aclose(self) -> None:
         if self._closed:

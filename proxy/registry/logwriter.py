@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from proxy.errors import RegistryUnavailable
-from proxy.registry.connection import COMMAND_TIMEOUT, translate
-from proxy.registry.logreader import DEAD_AFTER, RETRY_AFTER
+from proxy.registry.connection import COMMAND_TIMEOUT, patiently
+from proxy.registry.logreader import DEAD_AFTER
 
 if TYPE_CHECKING:
     from proxy.registry.genlog import GenerationLog
@@ -155,22 +155,21 @@ class LogWriter:
                 return
 
     async def _send_patiently(self, write: _Write) -> int | None:
-        """The write's reply, retried until no write has succeeded for DEAD_AFTER (then the
-        writer gives up: None). Under load one call can time out while Redis is fine; its
-        readers tolerate that long a silence anyway. A write Redis did apply before its
+        """The write's reply; None once no write has succeeded for DEAD_AFTER (its readers
+        allow that long a silence): the writer gives up. A write Redis did apply before its
         reply was lost is sent again: readers drop the batches they have (by index)."""
-        while True:
-            try:
-                with translate("publish"):
-                    reply = int(await self._send(write))
-            except RegistryUnavailable as exc:
-                if time.monotonic() - self._written_at > DEAD_AFTER:
-                    self._give_up(exc.message)
-                    return None
-                await asyncio.sleep(RETRY_AFTER)
-                continue
-            self._written_at = time.monotonic()
-            return reply
+        try:
+            reply = await patiently(
+                lambda: self._send(write),
+                "publish",
+                answered_at=self._written_at,
+                within=DEAD_AFTER,
+            )
+        except RegistryUnavailable as exc:
+            self._give_up(exc.message)
+            return None
+        self._written_at = time.monotonic()
+        return int(reply)
 
     async def _send(self, write: _Write) -> Any:
         if write.kind == "o":
