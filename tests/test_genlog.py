@@ -318,37 +318,48 @@ async def test_maxmemory_nothing_hangs(redis_server: Server, policy: str) -> Non
         await asyncio.wait_for(writer.end("completed"), 5)
 
 
-async def test_a_reader_rides_out_a_short_silence_of_redis_and_reports_a_long_one(
-    single_redis: RedisServer,
+# side cut off from Redis -> (how long a short cut lasts, what a cut for good is reported as).
+# Short: over one call's socket timeout (1.5 s for a blocking read, 1 s for a write), under
+# the bound (DETECT_WITHIN for a reader, DEAD_AFTER for a writer).
+CUTS = {"reader": (2.0, "unavailable"), "writer": (1.3, "writer_gone")}
+
+
+@pytest.mark.parametrize("side", CUTS)
+async def test_a_short_silence_of_redis_is_ridden_out_and_a_long_one_reported(
+    single_redis: RedisServer, side: str
 ) -> None:
-    """A follower cut off from Redis for less than DETECT_WITHIN (its reads time out once:
-    the socket timeout is 1.5 s) carries on with nothing lost or doubled; cut off for longer,
-    it gets GenerationLost("unavailable") within the bound, never a hang."""
-    async with registries(single_redis, 1) as (a,), Link(single_redis.port) as link:
-        b = RedisRegistry(RegistryConfig(backend="redis", url=link.url))
-        await b.start()
+    """A reader, or the writer, cut off from Redis for less than its bound (one of its calls
+    times out) carries on, nothing lost or doubled; cut off for good, the reader gets
+    GenerationLost within DETECT_WITHIN, never a hang."""
+    short, reported = CUTS[side]
+    async with registries(single_redis, 1) as (direct,), Link(single_redis.port) as link:
+        linked = RedisRegistry(RegistryConfig(backend="redis", url=link.url))
+        await linked.start()
+        w, r = (direct, linked) if side == "reader" else (linked, direct)
         try:
-            writer = await a.generation_log().open("quiet", 4, body_hash="h", streaming=True)
+            writer = await w.generation_log().open("quiet", 4, body_hash="h", streaming=True)
             writer.append([ev(0)])
-            reader = await b.generation_log().follow("quiet", 4)
+            reader = await r.generation_log().follow("quiet", 4)
             assert _flat(await _take(reader, 1)) == [(0, ev(0))]
             pending = asyncio.ensure_future(_take(reader, 2, within=DETECT_WITHIN + 5))
             link.cut()
             writer.append([ev(1)])
-            await asyncio.sleep(
-                2.0
-            )  # the partition's length: over one read's timeout, under the bound
+            await asyncio.sleep(short)  # the partition's length
             link.heal()
             writer.append([ev(2)])
             assert _flat(await pending) == [(1, ev(1)), (2, ev(2))]
+            assert not writer.broken
             link.cut()
+            writer.append([ev(3)])
             cut = time.monotonic()
             with pytest.raises(GenerationLost) as lost:
-                await asyncio.wait_for(anext(reader), DETECT_WITHIN + 3)
-            assert lost.value.reason == "unavailable"
+                await asyncio.wait_for(
+                    _take(reader, 1, within=DETECT_WITHIN + 3), DETECT_WITHIN + 3
+                )
+            assert lost.value.reason == reported
             assert time.monotonic() - cut <= DETECT_WITHIN + 2.0
             link.heal()
             await reader.aclose()
             await writer.end("completed")
         finally:
-            await b.close()
+            await linked.close()

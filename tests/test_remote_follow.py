@@ -41,11 +41,36 @@ async def two_proxies(
         make_proxy(upstream.url, **overrides) as pa,
         make_proxy(upstream.url, **overrides) as pb,
     ):
-        for p in (pa, pb):
-            registry = p.runtime.registry
-            assert isinstance(registry, RedisRegistry)
-            await asyncio.wait_for(registry.wait_subscribed(), 10)
+        await _subscribed(pa, pb)
         yield pa, pb
+
+
+async def _subscribed(*proxies: Proxy) -> None:
+    """Until each proxy's registry hears claims made anywhere."""
+    for p in proxies:
+        registry = p.runtime.registry
+        assert isinstance(registry, RedisRegistry)
+        await asyncio.wait_for(registry.wait_subscribed(), 10)
+
+
+async def _origin_then_follower(
+    stack: AsyncExitStack,
+    ca: httpx.AsyncClient,
+    cb: httpx.AsyncClient,
+    body: dict[str, Any],
+    turn: dict[str, str],
+    first: str,
+) -> tuple[httpx.Response, AsyncIterator[Event], httpx.Response, AsyncIterator[Event]]:
+    """The request asked through `ca` until its first event, then again through `cb`, whose
+    first event (the catch-up) is the same one. The iterators are held: a dropped one
+    would close its stream."""
+    a = await open_stream(stack, ca, CHAT, body, turn)
+    a_events = events(a)
+    assert (await anext(a_events)).text == first
+    b = await open_stream(stack, cb, CHAT, body, turn)
+    b_events = events(b)
+    assert (await anext(b_events)).text == first
+    return a, a_events, b, b_events
 
 
 def _count(proxy: Proxy, metric: str, *labels: str) -> float:
@@ -72,15 +97,12 @@ async def test_identical_requests_on_two_processes_share_one_generation(
     turn = {"X-Turn-Id": "remote-twins"}
     async with two_proxies(make_proxy, upstream, redis_server) as (pa, pb):
         async with pa.client() as ca, pb.client() as cb, AsyncExitStack() as stack:
-            a = await open_stream(stack, ca, CHAT, body, turn)
-            a_events = events(a)
-            assert (await anext(a_events)).text == "R0 "
-            b = await open_stream(stack, cb, CHAT, body, turn)
+            a, a_events, b, b_events = await _origin_then_follower(
+                stack, ca, cb, body, turn, first="R0 "
+            )
             assert b.headers["x-streamfence-source"] == "followed"
             assert b.headers["x-streamfence-attempt"] == "1"
             assert b.headers["x-streamfence-turn"] == a.headers["x-streamfence-turn"]
-            b_events = events(b)
-            assert (await anext(b_events)).text == "R0 "  # what was sent before it came
             upstream.seen[0].release(10)
             a_rest, b_rest = await asyncio.wait_for(
                 asyncio.gather(_rest(a_events), _rest(b_events)), 10
@@ -174,12 +196,9 @@ async def test_a_newer_generation_fences_followers_on_every_process(
     body = chat_body(gated=True, tokens=4, prefix="F")
     async with two_proxies(make_proxy, upstream, redis_server) as (pa, pb):
         async with pa.client() as ca, pb.client() as cb, AsyncExitStack() as stack:
-            a = await open_stream(stack, ca, CHAT, body, turn)
-            a_events = events(a)
-            assert (await anext(a_events)).text == "F0 "
-            b = await open_stream(stack, cb, CHAT, body, turn)
-            b_events = events(b)
-            assert (await anext(b_events)).text == "F0 "
+            a, a_events, b, b_events = await _origin_then_follower(
+                stack, ca, cb, body, turn, first="F0 "
+            )
             # The same turn id with another body: a new generation, on A's process.
             client = ca if where == "origin" else cb
             newer = await client.post(CHAT, json=chat_body(stream=False, prefix="N"), headers=turn)
@@ -211,13 +230,10 @@ async def test_followers_of_a_killed_process_get_an_error_then_a_retry_starts_an
         async with make_proxy(upstream.url, **overrides) as pb:
             await _wait_subscribers(redis_server, 2)
             async with writer.client() as ca, pb.client() as cb, AsyncExitStack() as stack:
-                a = await open_stream(stack, ca, CHAT, body, turn)
-                a_events = events(a)
-                assert (await anext(a_events)).text == "D0 "
-                b = await open_stream(stack, cb, CHAT, body, turn)
+                a, a_events, b, b_events = await _origin_then_follower(
+                    stack, ca, cb, body, turn, first="D0 "
+                )
                 assert b.headers["x-streamfence-source"] == "followed"
-                b_events = events(b)
-                assert (await anext(b_events)).text == "D0 "
                 writer.kill()
                 killed = time.monotonic()
                 rest = await asyncio.wait_for(_rest(b_events), DETECT_WITHIN + 5)
@@ -251,18 +267,12 @@ async def test_a_partition_between_the_writer_and_redis_keeps_its_answer_local(
         make_proxy(upstream.url, **overrides, **{"registry.url": link.url}) as pa,
         make_proxy(upstream.url, **overrides, **{"registry.url": single_redis.url}) as pb,
     ):
-        for p in (pa, pb):
-            registry = p.runtime.registry
-            assert isinstance(registry, RedisRegistry)
-            await asyncio.wait_for(registry.wait_subscribed(), 10)
+        await _subscribed(pa, pb)
         async with pa.client() as ca, pb.client() as cb, AsyncExitStack() as stack:
-            a = await open_stream(stack, ca, CHAT, body, turn)
-            a_events = events(a)
-            assert (await anext(a_events)).text == "S0 "
-            b = await open_stream(stack, cb, CHAT, body, turn)
+            a, a_events, b, b_events = await _origin_then_follower(
+                stack, ca, cb, body, turn, first="S0 "
+            )
             assert b.headers["x-streamfence-source"] == "followed"
-            b_events = events(b)
-            assert (await anext(b_events)).text == "S0 "
             link.cut()
             cut = time.monotonic()
             upstream.seen[0].release(10)
@@ -276,19 +286,16 @@ async def test_a_partition_between_the_writer_and_redis_keeps_its_answer_local(
             assert time.monotonic() - cut <= DETECT_WITHIN + 2.0
             link.heal()
             # Healed: A's registry reconnects, and twins follow across processes again.
-            registry = pa.runtime.registry
-            assert isinstance(registry, RedisRegistry)
-            await asyncio.wait_for(registry.wait_subscribed(), 10)
+            await _subscribed(pa)
             twin = chat_body(gated=True, tokens=3, prefix="H")
             again = {"X-Turn-Id": "remote-healed"}
-            first = await open_stream(stack, ca, CHAT, twin, again)
-            first_events = events(first)
-            assert (await anext(first_events)).text == "H0 "
-            second = await open_stream(stack, cb, CHAT, twin, again)
+            _, first_events, second, second_events = await _origin_then_follower(
+                stack, ca, cb, twin, again, first="H0 "
+            )
             assert second.headers["x-streamfence-source"] == "followed"
             upstream.seen[-1].release(10)
             got = await asyncio.wait_for(
-                asyncio.gather(_rest(first_events), _rest(events(second))), 10
+                asyncio.gather(_rest(first_events), _rest(second_events)), 10
             )
             for rest in got:
                 assert rest[-1].data == "[DONE]" and not _errors(rest), rest
@@ -333,10 +340,7 @@ async def test_stress_identical_requests_routed_at_random_over_three_processes(
         proxies = [
             await stack.enter_async_context(make_proxy(upstream.url, **overrides)) for _ in range(3)
         ]
-        for p in proxies:
-            registry = p.runtime.registry
-            assert isinstance(registry, RedisRegistry)
-            await asyncio.wait_for(registry.wait_subscribed(), 10)
+        await _subscribed(*proxies)
         clients = [await stack.enter_async_context(p.client()) for p in proxies]
         limit = asyncio.Semaphore(12)
 
