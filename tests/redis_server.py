@@ -253,7 +253,10 @@ def redis_server(request: pytest.FixtureRequest) -> Iterator[Server]:
     if request.param == "cluster":
         cluster: RedisClusterServer = request.getfixturevalue("shared_cluster")
         cluster.flush()
-        yield cluster
+        try:
+            yield cluster
+        finally:
+            _collect_dropped_connections()
         return
     with running_redis() as server:
         yield server
@@ -274,10 +277,11 @@ def restartable_redis(request: pytest.FixtureRequest) -> Iterator[Server]:
 
 
 def _collect_dropped_connections() -> None:
-    # redis-py's cluster client drops a connection to a killed node from its pool when the
-    # disconnect fails, and such a socket is closed only when collected: at some random
-    # later point, as a ResourceWarning in whichever test is running then. Collect here,
-    # where it belongs, once this test's loop has ended.
+    # redis-py's cluster client drops a connection from its pool when its disconnect fails
+    # (a killed node, a command cancelled mid-reply: seen in CI on a cluster no test killed),
+    # and such a socket is closed only when collected: at some random later point, as a
+    # ResourceWarning in whichever test runs then. Collect here, where it belongs, once this
+    # test's loop has ended.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResourceWarning)
         gc.collect()
