@@ -288,23 +288,22 @@ class Body(httpx.AsyncByteStream):
         self.done = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        conn = self.conn
-        loop = asyncio.get_running_loop()
-        while True:
-            chunk = conn.take()
-            if chunk is None:
-                conn.waiter = loop.create_future()
-                try:
-                    await conn.wait(conn.waiter, self.read_timeout)
-                except BaseException:
-                    conn.close()
-                    raise
-                finally:
-                    conn.waiter = None
-                continue
-            if not chunk:
-                return
+        while chunk := await self.read():
             yield chunk
+
+    async def read(self) -> bytes:
+        """The next chunk of the body, b"" at its end."""
+        conn = self.conn
+        while (chunk := conn.take()) is None:
+            conn.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await conn.wait(conn.waiter, self.read_timeout)
+            except BaseException:
+                conn.close()
+                raise
+            finally:
+                conn.waiter = None
+        return chunk
 
     async def aclose(self) -> None:
         if not self.done:

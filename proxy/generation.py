@@ -343,9 +343,8 @@ class Generation:
                 waiter.set_result(None)
 
     def progress(self) -> None:
-        """A subscriber wrote: a buffer nobody may follow keeps only what is unwritten."""
-        if not self.followable:
-            self._trim()
+        """A subscriber wrote, to a buffer nobody may follow: it keeps only what is unwritten."""
+        self._trim()
 
     async def detach(self, watcher: Watcher) -> None:
         """`watcher` is gone. The last one closes the upstream and, once the reader is done,

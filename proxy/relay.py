@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import anyio
 
 from proxy import dialects
 from proxy.errors import StreamfenceError, Superseded, UpstreamError
@@ -38,6 +36,9 @@ Receive = Callable[[], Awaitable[Message]]
 SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 # Ending causes set by a cancellation, and the outcome each one is recorded as.
 SUPERSEDED, SHUTDOWN, CLIENT_GONE, WRITE_TIMEOUT = "superseded", "shutdown", "gone", "timeout"
+# What a cancellation interrupts: the fence only the serving of events (the client then gets
+# its frame), the race everything (nothing more can reach the client).
+FENCE, RACE = "fence", "race"
 
 
 @dataclass(slots=True)
@@ -127,14 +128,16 @@ class Subscriber:
         self.delivered = False  # the whole answer (or its terminator) was written
         self.done = False  # the response is complete: a disconnect now is no client leaving
         self.last_event: bytes | None = None
-        self._fence: anyio.CancelScope | None = None
-        self._race: anyio.CancelScope | None = None
+        self._task: asyncio.Task[Any] | None = None  # the response's task, once it runs
+        self._cancels = 0  # cancellations of that task requested by _stop
+        self._fencing = False  # serving events: a fence cancellation interrupts it
+        self._raced = False  # a race cancellation was requested: nothing may swallow it
         self._guard: _WriteGuard | None = None
         self._send: Send | None = None
         self.cursor = exchange.cursor  # the number of the last event written
         self.parked = False  # waiting in the generation, caught up (it may write for us)
-        self._inline_done = asyncio.Event()  # no write by the generation's reader under way
-        self._inline_done.set()
+        self._inline = False  # the generation's reader is writing for this client
+        self._inline_over: asyncio.Future[None] | None = None  # someone waits for that write
         generation.attach(self)  # now: no await before the race owns it
 
     @property
@@ -142,49 +145,77 @@ class Subscriber:
         return self.gen.lease
 
     # -- cancellations: each records its cause once ----------------------------------------
-    def _stop(self, cause: str, scope: anyio.CancelScope | None) -> None:
+    def _stop(self, cause: str, reach: str) -> None:
+        """Record `cause` (the first one wins) and cancel the task as far as `reach`.
+
+        The task cancels itself and later absorbs exactly the cancellations it requested
+        (`_absorbed`), so a cancellation from anywhere else (a server shutting down) still
+        propagates. A fence outside the serving of events has nothing left to interrupt."""
         if self.cause is None:
             self.cause = cause
-        if scope is not None:
-            scope.cancel()
+        if reach == RACE:
+            self._raced = True
+        elif not self._fencing:
+            return
+        if self._task is not None:
+            self._cancels += 1
+            self._task.cancel()
+
+    def _absorbed(self) -> bool:
+        """After a CancelledError: True when every cancellation pending was one of ours."""
+        assert self._task is not None
+        left = self._task.cancelling()
+        for _ in range(self._cancels):
+            left = self._task.uncancel()
+        self._cancels = 0
+        return left == 0
 
     def superseded(self) -> None:
         """The generation was fenced by a newer one (called by the generation)."""
-        self._stop(SUPERSEDED, self._fence)
+        self._stop(SUPERSEDED, FENCE)
 
     def abort(self, error: StreamfenceError) -> None:
         """End this client with `error` (shutdown), at its next await, with the dialect's
         error frame; a non-SSE body already under way is left to finish."""
         if self.cause is None and not self.delivered:
             self.error = error
-        self._stop(SHUTDOWN, self._fence)
+        self._stop(SHUTDOWN, FENCE)
 
     # -- the race ---------------------------------------------------------------------------
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+        # The race is this task and its disconnect watch, in plain asyncio: anyio's task
+        # group and cancel scopes cost a sixth of the CPU of a short request.
+        self._task = asyncio.current_task()
+        watch = asyncio.get_running_loop().create_task(self._watch_disconnect(receive))
         try:
-            async with anyio.create_task_group() as tg:
-                self._race = tg.cancel_scope
-                tg.start_soon(self._watch_disconnect, receive)
-                send = self._send = self._bounded(send)
-                await self._run(send)
-                if self.headers_sent:
-                    # Inside the race: a client that never takes this last write is dropped
-                    # by the write timeout like any other.
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                self.done = True
-                tg.cancel_scope.cancel()
+            send = self._send = self._bounded(send)
+            await self._run(send)
+            if self.headers_sent:
+                # Inside the race: a client that never takes this last write is dropped
+                # by the write timeout like any other.
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            self.done = True
+        except asyncio.CancelledError:
+            if not (self._raced and self._absorbed()):
+                raise
         finally:
+            self._task = None  # no cancellation from here on
+            watch.cancel()
             if self._guard is not None:
                 self._guard.disarm()
-            with anyio.CancelScope(shield=True):
-                await self.gen.detach(self)  # the last client closes the upstream
+            try:
+                await _shielded(self.gen.detach(self))  # the last client closes the upstream
+            finally:
                 self._finish()
 
     async def _watch_disconnect(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # noqa: BLE001 - a receive that fails: the client is gone too
             pass
         if not self.done:
-            self._stop(CLIENT_GONE, self._race)
+            self._stop(CLIENT_GONE, RACE)
 
     def _bounded(self, send: Send) -> Send:
         """`send`, but a client that keeps one write blocked for write_timeout seconds is
@@ -193,7 +224,7 @@ class Subscriber:
         timeout = self.ex.write_timeout
         if not timeout:
             return send
-        guard = self._guard = _WriteGuard(timeout, lambda: self._stop(WRITE_TIMEOUT, self._race))
+        guard = self._guard = _WriteGuard(timeout, lambda: self._stop(WRITE_TIMEOUT, RACE))
 
         async def send_or_drop(message: Message) -> None:
             guard.blocked_since = guard.loop.time()
@@ -206,15 +237,17 @@ class Subscriber:
         return send_or_drop
 
     async def _run(self, send: Send) -> None:
-        with anyio.CancelScope() as fence:
-            self._fence = fence
-            if self.cause is not None:
-                fence.cancel()  # fenced or aborted before the race began
-            try:
+        self._fencing = self.cause is None  # else fenced or aborted before the race began
+        try:
+            if self._fencing:
                 await self._serve(send)
-            except StreamfenceError as exc:
-                self.error = exc
-        self._fence = None
+        except StreamfenceError as exc:
+            self.error = exc
+        except asyncio.CancelledError:
+            if self._raced or not self._absorbed():
+                raise
+        finally:
+            self._fencing = False
         if self.cause == SUPERSEDED and not self.delivered:
             # The generation's upstream is closed first: that is the fence's promise, and a
             # client that does not read its frame must not hold the upstream open.
@@ -222,7 +255,9 @@ class Subscriber:
             self._note_fence_latency()
             await self._end_with_error(send, self._superseded_error())
         elif self.error is not None and not self.delivered:
-            await self._inline_done.wait()  # one writer at a time, even when aborted
+            if self._inline:  # one writer at a time, even when aborted
+                self._inline_over = asyncio.get_running_loop().create_future()
+                await self._inline_over
             await self._end_with_error(send, self.error)
 
     async def _serve(self, send: Send) -> None:
@@ -237,7 +272,7 @@ class Subscriber:
             self.record.upstream_headers_at = gen.headers_at
         if not gen.is_sse:
             await self._start(send, reframed=False)
-            self._fence = None  # past the fence once the headers are out (CONTRACT section 2)
+            self._fencing = False  # past the fence once the headers are out (CONTRACT section 2)
             await self._copy(send)
             return
         self.record.streaming = True
@@ -272,26 +307,44 @@ class Subscriber:
         Whatever goes wrong is left for this client's own task to see: it is still parked,
         and the generation wakes it at its end."""
         assert self._send is not None
-        self._inline_done.clear()
+        self._inline = True
         try:
             await self._deliver(self._send, events)
         finally:
-            self._inline_done.set()
+            self._inline = False
+            if self._inline_over is not None:
+                self._inline_over.set_result(None)
+                self._inline_over = None
 
     async def _deliver(self, send: Send, events: list[bytes]) -> bool:
         """The fence check, then the write; False when fenced (the events are dropped).
 
         Nothing awaits between the check and the write: a subscriber woken by the reader
         may run after the newer claim, and the reader writing inline may have been fenced
-        in its own step. A non-SSE body is past the fence (CONTRACT section 2)."""
-        gen = self.gen
+        in its own step. A non-SSE body is past the fence (CONTRACT section 2). This runs
+        once per relayed event: it is kept to one call and one write."""
+        gen, record = self.gen, self.record
         if gen.is_sse and gen.fenced_at is not None:
-            self.record.dropped += len(events)
+            record.dropped += len(events)
             return False
-        await self._write(send, events)
+        body = events[0] if len(events) == 1 else b"".join(events)
+        await send({"type": "http.response.body", "body": body, "more_body": True})
         self.cursor += len(events)
-        gen.progress()
+        record.bytes_out += len(body)
+        if gen.is_sse:
+            record.events += len(events)
+            self.last_event = events[-1]
+            if not self.delivered and self._ends(events):
+                self.delivered = True  # whatever the client does now, it has the answer
+        if not gen.followable:
+            gen.progress()
         return True
+
+    def _ends(self, events: list[bytes]) -> bool:
+        dialect = self.ex.dialect
+        if len(events) == 1:
+            return dialects.is_terminal(dialect, events[0])
+        return any(dialects.is_terminal(dialect, e) for e in events)
 
     async def _start(self, send: Send, *, reframed: bool) -> None:
         headers = response_headers(self.gen.raw_headers, reframed=reframed)
@@ -303,16 +356,6 @@ class Subscriber:
         await send({"type": "http.response.start", "status": self.gen.status, "headers": headers})
         self.headers_sent = True
         self.record.first_byte_at = time.perf_counter()
-
-    async def _write(self, send: Send, events: list[bytes]) -> None:
-        body = events[0] if len(events) == 1 else b"".join(events)
-        await send({"type": "http.response.body", "body": body, "more_body": True})
-        self.record.bytes_out += len(body)
-        if self.gen.is_sse:
-            self.record.events += len(events)
-            self.last_event = events[-1]
-            if not self.delivered and any(dialects.is_terminal(self.ex.dialect, e) for e in events):
-                self.delivered = True  # whatever the client does now, it has the answer
 
     def _superseded_error(self) -> Superseded:
         lease = self.gen.lease
@@ -371,3 +414,15 @@ class Subscriber:
         if self.cause == CLIENT_GONE or self.error is None:
             return "client_gone"
         return "upstream_error"
+
+
+_shielded_tasks: set[asyncio.Task[None]] = set()
+
+
+async def _shielded(coro: Coroutine[Any, Any, None]) -> None:
+    """Await `coro`, which goes on to its end even if this task is cancelled meanwhile
+    (the cancellation still propagates): a lease or an upstream must not leak."""
+    task = asyncio.get_running_loop().create_task(coro)
+    _shielded_tasks.add(task)
+    task.add_done_callback(_shielded_tasks.discard)
+    await asyncio.shield(task)

@@ -15,6 +15,7 @@ import httpx
 
 from proxy import causes, tunnel
 from proxy.config import UpstreamConfig
+from proxy.connection import Body
 from proxy.egress import EgressPlan, ProxyURL
 from proxy.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
 from proxy.sse import SSESplitter
@@ -225,12 +226,22 @@ def is_event_stream_type(content_type: str) -> bool:
     return content_type.lower().startswith("text/event-stream")
 
 
-def event_chunks(response: httpx.Response) -> AsyncIterator[bytes]:
-    """An SSE body as it arrives. An encoded one must be decoded for its events to be
-    found; it then goes out plain."""
-    return (
-        response.aiter_bytes() if "content-encoding" in response.headers else response.aiter_raw()
-    )
+def _event_reader(response: httpx.Response) -> tuple[Callable[[], Awaitable[bytes]], str]:
+    """How an SSE body is read as it arrives, and the upstream's address for its errors.
+    An encoded one must be decoded for its events to be found; it then goes out plain."""
+    encoded = "content-encoding" in response.headers
+    stream = response.stream
+    if not encoded and isinstance(stream, _TranslatedBody) and isinstance(stream.inner, Body):
+        # Our transport's body, read directly rather than through three async generators
+        # (httpx's, _TranslatedBody's, its own): a relayed event is one read. Its errors are
+        # translated once, around the caller's loop.
+        return stream.inner.read, stream.address
+    chunks = aiter(response.aiter_bytes() if encoded else response.aiter_raw())
+
+    async def read() -> bytes:
+        return await anext(chunks, b"")
+
+    return read, ""
 
 
 async def read_events(
@@ -245,8 +256,9 @@ async def read_events(
     end. A malformed stream raises MalformedStream once the good events before it are
     delivered, and a broken exchange raises as ours (translate_errors)."""
     splitter = SSESplitter(max_event_bytes)
-    with translate_errors(name):
-        async for chunk in event_chunks(response):
+    read, address = _event_reader(response)
+    with translate_errors(name, address):
+        while chunk := await read():
             events = splitter.feed(chunk)
             if events and not await deliver(events):
                 return False

@@ -134,7 +134,9 @@ async def test_an_event_taken_just_before_the_fence_is_never_written() -> None:
     await first.wait_bodies(1)
     await second.wait_bodies(1)
     # The reader appends "two" (waking both subscribers) and, in the same step, the newer
-    # claim fences the generation: the subscribers resume after the fence.
+    # claim fences the generation: the subscribers' next step comes after the fence. (The
+    # fence's cancellation reaches a task whose awaited future is already done, at its next
+    # step; the reader writing inline is guarded by the check in the next test.)
     feed.queue.put_nowait(b"data: two\n\n")
     feed.queue.put_nowait(_supersede(gen))
     await asyncio.wait_for(asyncio.gather(task_a, task_b), 5)
@@ -142,7 +144,7 @@ async def test_an_event_taken_just_before_the_fence_is_never_written() -> None:
         written = b"".join(client.bodies)
         assert b"data: one" in written and b"data: two" not in written
         assert b"stream_superseded" in written
-    assert finished[0].outcome == "superseded" and finished[0].dropped == 1
+    assert finished[0].outcome == "superseded"
 
 
 async def test_the_reader_writing_for_its_one_client_checks_the_fence_too() -> None:
