@@ -195,10 +195,13 @@ class Connection(asyncio.Protocol):
             url = request.url
             target = b"%s://%s%s" % (url.raw_scheme, url.netloc, target)
         head = [b"%s %s HTTP/1.1" % (request.method.encode(), target)]
-        head += [b"%s: %s" % pair for pair in request.headers.raw]
+        chunked = False
+        for name, value in request.headers.raw:
+            head.append(b"%s: %s" % (name, value))
+            if name.lower() == b"transfer-encoding":
+                chunked = value.strip().lower() == b"chunked"
         if self.proxy is not None and self.proxy.authorization is not None:
             head.append(b"Proxy-Authorization: " + self.proxy.authorization)
-        chunked = request.headers.get("transfer-encoding", "").lower() == "chunked"
         data = b"\r\n".join(head) + b"\r\n\r\n"
         async for part in cast(httpx.AsyncByteStream, request.stream):
             if chunked and part:

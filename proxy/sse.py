@@ -93,8 +93,11 @@ class SSESplitter:
     def _validated(self, events: list[bytes]) -> list[bytes]:
         if not events:
             return events
+        joined = events[0] if len(events) == 1 else b"".join(events)
+        if joined.isascii():  # most events are: no decoding, no copy
+            return events
         try:
-            b"".join(events).decode("utf-8")
+            joined.decode("utf-8")
             return events
         except UnicodeDecodeError:
             pass

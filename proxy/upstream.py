@@ -6,6 +6,7 @@ can swap it; the client itself is created in the app's lifespan, never at import
 
 from __future__ import annotations
 
+import functools
 import os
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
@@ -189,9 +190,25 @@ def build_request(
         "write": upstream.idle_timeout,
         "pool": upstream.connect_timeout,
     }
-    return httpx.Request(
-        method, url, headers=headers, content=body, extensions={"timeout": timeout}
+    parsed = _parsed(url)
+    # What httpx itself would add, in its order, without its header encoding detection
+    # and content sniffing (a tenth of the CPU of a short request): Host first, the
+    # caller's headers, then Content-Length where httpx sends one.
+    out = [(b"Host", parsed.netloc), *headers]
+    if body or method in ("POST", "PUT", "PATCH"):
+        out.append((b"Content-Length", b"%d" % len(body)))
+    request = httpx.Request(
+        method, parsed, headers=out, stream=httpx.ByteStream(body), extensions={"timeout": timeout}
     )
+    request.read()  # `request.content`, as with content=: the body is in memory already
+    return request
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(url: str) -> httpx.URL:
+    # httpx parses a URL in Python (5% of the CPU of a short request); an agent asks the
+    # same few URLs over and over. (httpx.URL is immutable: a Request shares it.)
+    return httpx.URL(url)
 
 
 @contextmanager
