@@ -74,6 +74,16 @@ class _TranslatedBody(httpx.AsyncByteStream):
             await self.inner.aclose()
 
 
+def abort(response: httpx.Response) -> bool:
+    """Close a streaming response's connection at once, without awaiting, where the
+    transport allows it (ours): True if it did. The response must still be closed."""
+    stream = response.stream
+    if isinstance(stream, _TranslatedBody) and isinstance(stream.inner, Body):
+        stream.inner.conn.close()
+        return True
+    return False
+
+
 def _address(url: httpx.URL) -> str:
     port = url.port or (443 if url.scheme == "https" else 80)
     host = url.host

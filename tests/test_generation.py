@@ -16,7 +16,9 @@ from proxy.generation import Ask, Budget, Generation
 from proxy.logs import Record
 from proxy.registry import Lease, MemoryRegistry
 from proxy.relay import Exchange, Subscriber
+from proxy.transport import Transport as FastTransport
 from proxy.upstream import UpstreamClient
+from tests.upstream import Script, ScriptedUpstream
 
 Item = bytes | Callable[[], object]
 
@@ -162,6 +164,39 @@ async def test_the_reader_writing_for_its_one_client_checks_the_fence_too() -> N
     written = b"".join(client.bodies)
     assert b"data: two" not in written and b"stream_superseded" in written
     assert finished[0].outcome == "superseded"
+
+
+async def test_a_fence_closes_the_old_upstream_connection_in_the_claims_own_step(
+    upstream: ScriptedUpstream,
+) -> None:
+    # Over the real transport and a real upstream server: the connection is closed by the
+    # newer claim itself, not when the cancelled reader next runs (a loop iteration or more
+    # later, on a busy proxy milliseconds).
+    upstream.default = Script(tokens=5, gated=True)
+    transport = FastTransport()
+    ask = Ask(
+        request=httpx.Request("POST", upstream.url + "/v1/chat/completions", json={"stream": 1}),
+        upstream="up",
+        key="turn",
+        body_hash="body",
+        streaming=True,
+        max_event_bytes=1 << 20,
+        buffer_bytes=1 << 20,
+        stamp_ids=False,
+        followable=True,
+    )
+    gen = Generation(ask, UpstreamClient(transport), MemoryRegistry(), Budget(1 << 30))
+    client = Client()
+    _, task, finished = _subscribe(gen, client)
+    await client.wait_bodies(1)
+    assert transport.in_use() == 1
+    _supersede(gen)()
+    assert transport.in_use() == 0  # no await since the claim
+    await asyncio.wait_for(task, 5)
+    await asyncio.wait_for(upstream.seen[0].closed.wait(), 5)
+    assert b"stream_superseded" in b"".join(client.bodies)
+    assert finished[0].outcome == "superseded"
+    await transport.aclose()
 
 
 async def test_a_fenced_client_that_does_not_read_does_not_hold_the_upstream() -> None:
