@@ -41,6 +41,9 @@ class Connection(asyncio.Protocol):
     def __init__(self, pool: Pool, key: Key) -> None:
         self.pool = pool
         self.key = key
+        # Created on the loop it serves. Kept: asyncio.get_running_loop() costs a getpid()
+        # system call on Python 3.11, and a relayed event took two.
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
@@ -126,7 +129,7 @@ class Connection(asyncio.Protocol):
             self._fail(httpx.RemoteProtocolError(f"upstream body ended early{what}"))
 
     def pause_writing(self) -> None:
-        self._write_ready = asyncio.get_running_loop().create_future()
+        self._write_ready = self.loop.create_future()
 
     def resume_writing(self) -> None:
         if self._write_ready is not None and not self._write_ready.done():
@@ -189,7 +192,7 @@ class Connection(asyncio.Protocol):
     async def send(self, request: httpx.Request, timeouts: dict[str, Any]) -> None:
         assert self.transport is not None
         self._reset(head=request.method == "HEAD")
-        self.started = asyncio.get_running_loop().create_future()
+        self.started = self.loop.create_future()
         target = request.url.raw_path
         if self.proxy is not None:  # absolute form, for the proxy to forward
             url = request.url
@@ -231,7 +234,7 @@ class Connection(asyncio.Protocol):
         if seconds is not None:
             # One lazily re-armed timer per connection, not one per wait: a relayed event
             # is one wait, and a timer set and cancelled per event was ~5% of its cost.
-            loop = asyncio.get_running_loop()
+            loop = self.loop
             self._deadline = loop.time() + seconds
             if self._timer is None or self._timer.when() > self._deadline:
                 if self._timer is not None:
@@ -248,7 +251,7 @@ class Connection(asyncio.Protocol):
         future = self._watched
         if future is None or future.done() or self.closed:
             return  # nobody is waiting: the next wait arms a new timer
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         if loop.time() >= self._deadline:
             future.set_exception(httpx.ReadTimeout("upstream sent nothing in time"))
         else:
@@ -298,7 +301,7 @@ class Body(httpx.AsyncByteStream):
         """The next chunk of the body, b"" at its end."""
         conn = self.conn
         while (chunk := conn.take()) is None:
-            conn.waiter = asyncio.get_running_loop().create_future()
+            conn.waiter = conn.loop.create_future()
             try:
                 await conn.wait(conn.waiter, self.read_timeout)
             except BaseException:

@@ -140,7 +140,8 @@ class Generation:
         self._ended = False
         self._reader_stopped = False
         self._expiry: asyncio.TimerHandle | None = None
-        self._task = asyncio.get_running_loop().create_task(self._read())
+        self._loop = asyncio.get_running_loop()  # kept: on 3.11 each call is a getpid()
+        self._task = self._loop.create_task(self._read())
 
     # -- state --------------------------------------------------------------------------
     @property
@@ -335,7 +336,7 @@ class Generation:
     async def wait(self, watcher: Watcher) -> None:
         """Until there is an event after the watcher's cursor, or the reader is done."""
         while watcher.cursor >= self.base + len(self.events) and not self.done:
-            waiter = asyncio.get_running_loop().create_future()
+            waiter = self._loop.create_future()
             self._waiting.append(waiter)
             await waiter
 
