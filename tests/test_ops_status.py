@@ -4,6 +4,7 @@ flight and after it is superseded, the access token, and that nothing secret rea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -19,9 +20,11 @@ import httpx
 import pytest
 import sse_starlette.sse
 from sse_starlette.sse import AppStatus
+from starlette.requests import Request
 
 from proxy import status, statuspage
 from proxy.errors import MalformedStream, UpstreamConnectError, UpstreamTimeout
+from proxy.logs import Record
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import Event, chat_body, events, open_stream
 from tests.upstream import ScriptedUpstream, free_port
@@ -234,3 +237,38 @@ def test_an_upstream_errors_cause_is_named_from_its_chain() -> None:
     assert status.cause(connect(ConnectionResetError(104, "reset"))) == "reset"
     assert status.cause(_chained(UpstreamTimeout("x"), TimeoutError())) == "timeout"
     assert status.cause(MalformedStream("x")) == "malformed"  # no chain: its kind
+
+
+async def test_a_change_made_while_a_snapshot_is_being_sent_is_not_missed() -> None:
+    # The feed waits for the first change after its snapshot was taken, not after it was
+    # sent: a request that finishes meanwhile is on the page at once, not at the next change
+    # (or a minute later when nothing else happens; seen in CI as a page one request behind).
+    board = status.StatusBoard(["default"])
+    scope = {"type": "http", "method": "GET", "path": "/_streamfence/feed", "headers": []}
+    response = await status.feed(Request(scope), b"", board, [])
+    snapshots: list[dict[str, Any]] = []
+    second = asyncio.Event()
+
+    async def send(message: dict[str, Any]) -> None:
+        body = message.get("body", b"")
+        if message["type"] != "http.response.body" or b"event: status" not in body:
+            return
+        data = next(line for line in body.splitlines() if line.startswith(b"data: "))
+        snapshots.append(json.loads(data[len(b"data: ") :]))
+        if len(snapshots) == 1:
+            board.finished(Record("POST", "/v1/chat/completions"))  # while it is being sent
+        else:
+            second.set()
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        raise AssertionError
+
+    task = asyncio.create_task(response(scope, receive, send))
+    try:
+        await asyncio.wait_for(second.wait(), 5)  # the idle wait is a minute
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert [s["totals"]["requests"] for s in snapshots] == [0, 1]
