@@ -36,15 +36,12 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 def test_startup_objects_are_moved_out_of_the_collectors_sight() -> None:
     # What the process imported is never garbage: a full collection that scanned it all
     # paused the event loop for ~22 ms under load (bench B5).
-    # Young collections run less often than Python's default 700 allocations.
-    before, thresholds = gc.get_freeze_count(), gc.get_threshold()
+    before = gc.get_freeze_count()
     try:
         freeze_startup_objects()
         assert gc.get_freeze_count() > before
-        assert gc.get_threshold()[0] > 700
     finally:
         gc.unfreeze()
-        gc.set_threshold(*thresholds)
 
 
 @pytest.mark.parametrize(
