@@ -202,8 +202,8 @@ def build_request(
     }
     parsed = _parsed(url)
     # What httpx itself would add, in its order, without its header encoding detection
-    # and content sniffing (a tenth of the CPU of a short request): Host first, the
-    # caller's headers, then Content-Length where httpx sends one.
+    # and content sniffing (with the URL parsing, a tenth of the CPU of a short request):
+    # Host first, the caller's headers, then Content-Length where httpx sends one.
     out = [(b"Host", parsed.netloc), *headers]
     if body or method in ("POST", "PUT", "PATCH"):
         out.append((b"Content-Length", b"%d" % len(body)))
