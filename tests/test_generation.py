@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
+import pytest
 
 from proxy.generation import Ask, Budget, Generation
 from proxy.logs import Record
@@ -197,6 +198,38 @@ async def test_a_fence_closes_the_old_upstream_connection_in_the_claims_own_step
     assert b"stream_superseded" in b"".join(client.bodies)
     assert finished[0].outcome == "superseded"
     await transport.aclose()
+
+
+async def test_a_cancellation_from_outside_still_ends_the_response() -> None:
+    # The relay cancels its own task for a fence or a departed client and absorbs only
+    # those cancellations: one from elsewhere (a server shutting down) ends it, and the
+    # last client leaving still closes the upstream.
+    feed = Feed()
+    gen = _generation(feed)
+    client = Client()
+    _, task, finished = _subscribe(gen, client)
+    feed.queue.put_nowait(b"data: one\n\n")
+    await client.wait_bodies(1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(feed.closed.wait(), 1)
+    assert finished[0].outcome == "client_gone"
+
+
+async def test_a_cancellation_from_outside_is_not_absorbed_with_the_fences_own() -> None:
+    feed = Feed()
+    gen = _generation(feed)
+    client = Client()
+    _, task, finished = _subscribe(gen, client)
+    feed.queue.put_nowait(b"data: one\n\n")
+    await client.wait_bodies(1)
+    _supersede(gen)()  # the fence cancels the response's task ...
+    task.cancel()  # ... and so does someone else, before it runs again
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert b"stream_superseded" not in b"".join(client.bodies)
+    assert finished[0].outcome == "superseded"
 
 
 async def test_a_fenced_client_that_does_not_read_does_not_hold_the_upstream() -> None:
