@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -268,6 +269,32 @@ async def test_claims_fence_across_registries_and_stale_release_keeps_the_newer(
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_burst_of_concurrent_claims_is_never_forwarded_unfenced(
+    redis_server: Server,
+) -> None:
+    # redis-py 8's asyncio pool raises at once when 100 connections (its default) are in
+    # use, which a burst of concurrent requests reaches: every claim past it failed open,
+    # forwarded unfenced, and nothing fenced it when its turn was retried (a B5-style load
+    # with the Redis registry: 146 of 500 turns).
+    registry = RedisRegistry(RegistryConfig(backend="redis", url=redis_server.url))
+    unfenced = 0
+
+    def count() -> None:
+        nonlocal unfenced
+        unfenced += 1
+
+    registry.unavailable_hook = count
+    await registry.start()
+    try:
+        run = uuid.uuid4().hex[:8]  # the shared cluster outlives this test's keys
+        leases = await asyncio.gather(*(registry.claim(f"burst-{run}-{i}") for i in range(300)))
+        assert unfenced == 0
+        assert all(lease.token > 0 for lease in leases)  # every one entered Redis
+        await asyncio.gather(*(registry.release(lease) for lease in leases))
+    finally:
+        await registry.close()
 
 
 async def test_tokens_never_repeat_for_a_key_even_after_redis_loses_its_data(

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -42,6 +42,13 @@ CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 CONNECT_TIMEOUT = 0.5  # a claim sits in front of the first byte: fail fast, not late
 COMMAND_TIMEOUT = 1.0
 RETRY_AFTER = 0.1  # a call that failed is tried again this soon (patiently)
+# redis-py's asyncio pools default to 100 connections and then raise at once instead of
+# waiting (redis-py 8 for a standalone server too): a burst of concurrent requests past it
+# had its claims fail open, forwarded unfenced. A standalone server's pool waits for a free
+# connection instead (a burst of hundreds of new connections timed out connecting); a
+# cluster client's pools (one per node) cannot wait, and are unbounded.
+POOL_SIZE = 64
+UNBOUNDED = 2**31
 
 T = TypeVar("T")
 
@@ -52,7 +59,10 @@ def is_cluster(url: str) -> bool:
     return urlsplit(url).scheme in CLUSTER_SCHEMES
 
 
-def connect(url: str, *, command_timeout: float = COMMAND_TIMEOUT) -> Client:
+def connect(url: str, *, command_timeout: float = COMMAND_TIMEOUT, queue: bool = True) -> Client:
+    """A client. `queue`: on a standalone server, a command waits for one of POOL_SIZE
+    connections (short commands); else the pool opens one per concurrent command (blocking
+    reads, each holding its connection for the length of its block)."""
     options: dict[str, Any] = {
         "socket_connect_timeout": CONNECT_TIMEOUT,
         "socket_timeout": command_timeout,
@@ -62,15 +72,18 @@ def connect(url: str, *, command_timeout: float = COMMAND_TIMEOUT) -> Client:
         plain = CLUSTER_SCHEMES[scheme] + url[len(scheme) :]
         # Redirections (MOVED/ASK) are followed by the client; one retry (after which it
         # reloads the slot map), then a node that is down fails like a standalone server.
-        # Connections per node: unbounded, as a standalone client's pool (the cluster
-        # client's default of 100 raises instead of waiting when a burst exceeds it).
         return RedisCluster.from_url(
-            plain, retry=Retry(NoBackoff(), 1), max_connections=2**31, **options
+            plain, retry=Retry(NoBackoff(), 1), max_connections=UNBOUNDED, **options
         )
     # One retry, on a connection error only: after Redis restarts, each pooled connection
     # is dead once. A timeout is not retried: the fail mode decides.
     retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
-    return Redis.from_url(url, retry=retry, **options)
+    if not queue:
+        return Redis.from_url(url, retry=retry, max_connections=UNBOUNDED, **options)
+    pool = BlockingConnectionPool.from_url(
+        url, max_connections=POOL_SIZE, timeout=command_timeout, retry=retry, **options
+    )
+    return Redis.from_pool(pool)  # owned: closed with the client
 
 
 def slot(key: str) -> int:

@@ -113,7 +113,9 @@ class RedisRegistry(Registry):
     def generation_log(self) -> GenerationLog:
         """The generation log (`genlog`), on this registry's Redis connection."""
         if self._log is None:
-            self._reads = connect(self.config.url, command_timeout=COMMAND_TIMEOUT + CHECK_EVERY)
+            self._reads = connect(
+                self.config.url, command_timeout=COMMAND_TIMEOUT + CHECK_EVERY, queue=False
+            )
             self._log = GenerationLog(self._client, reads=self._reads)
         return self._log
 
