@@ -217,7 +217,7 @@ class Generation:
                 outcome = (
                     "superseded" if self.fenced else "completed" if self.completed else "failed"
                 )
-                _spawn(self.writer.end(outcome))
+                spawn(self.writer.end(outcome))
             if self.retained and self.completed and not self.fenced:
                 loop = asyncio.get_running_loop()
                 self._expiry = loop.call_later(self.ask.retain_for, self._unretain)
@@ -366,7 +366,7 @@ class Generation:
         if not self.done and self.writer is not None and not self.writer.broken:
             # Other processes may read it: they decide, in the background (no await here,
             # where a local twin could attach meanwhile).
-            _spawn(self._close_unless_read_elsewhere())
+            spawn(self._close_unless_read_elsewhere())
             return
         await self._close_for_want_of_clients()
 
@@ -401,7 +401,7 @@ class Generation:
                 readers = await self._remote_readers()
                 if self._watchers:  # a client here again: the last one to leave decides
                     if not readers and self.writer is not None:
-                        _spawn(self.writer.log.reopen(self.writer.key, self.writer.token))
+                        spawn(self.writer.log.reopen(self.writer.key, self.writer.token))
                     return
                 if self.done or not readers:
                     break
@@ -425,7 +425,7 @@ class Generation:
 
     def _release_later(self) -> None:
         if self.done and not self._ended:
-            _spawn(self.end())
+            spawn(self.end())
 
     def headers_error(self) -> StreamfenceError:
         """Why there is no response to send (called once headers_ready is set)."""
@@ -435,7 +435,9 @@ class Generation:
 _background: set[asyncio.Task[None]] = set()
 
 
-def _spawn(coro: Coroutine[Any, Any, None]) -> None:
+def spawn(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    """`coro` as a task the process keeps a reference to until it ends."""
     task = asyncio.get_running_loop().create_task(coro)
     _background.add(task)
     task.add_done_callback(_background.discard)
+    return task

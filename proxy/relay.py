@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from proxy import dialects
 from proxy.errors import StreamfenceError, Superseded, UpstreamError
-from proxy.generation import Generation
+from proxy.generation import Generation, spawn
 from proxy.logs import Record
 from proxy.registry import Lease
 from proxy.routing import response_headers
@@ -204,7 +204,9 @@ class Subscriber:
             if self._guard is not None:
                 self._guard.disarm()
             try:
-                await _shielded(self.gen.detach(self))  # the last client closes the upstream
+                # The last client closes the upstream; shielded, so that a cancellation from
+                # outside (it still propagates) cannot leak the upstream or the lease.
+                await asyncio.shield(spawn(self.gen.detach(self)))
             finally:
                 self._finish()
 
@@ -414,15 +416,3 @@ class Subscriber:
         if self.cause == CLIENT_GONE or self.error is None:
             return "client_gone"
         return "upstream_error"
-
-
-_shielded_tasks: set[asyncio.Task[None]] = set()
-
-
-async def _shielded(coro: Coroutine[Any, Any, None]) -> None:
-    """Await `coro`, which goes on to its end even if this task is cancelled meanwhile
-    (the cancellation still propagates): a lease or an upstream must not leak."""
-    task = asyncio.get_running_loop().create_task(coro)
-    _shielded_tasks.add(task)
-    task.add_done_callback(_shielded_tasks.discard)
-    await asyncio.shield(task)

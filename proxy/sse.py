@@ -135,11 +135,8 @@ def _split_lf(buf: bytes) -> tuple[list[bytes], bytes]:
     # The common case (no "\r" anywhere): one C-level split, no regex. Boundaries are found
     # left to right like _BOUNDARY does, so that "\n\n\n" ends the event after two newlines
     # whichever path (and chunking) saw it.
-    first = buf.find(b"\n\n")
-    if first < 0:
+    if b"\n\n" not in buf:
         return [], buf
-    if first == len(buf) - 2:  # one whole event, the usual read of a paced stream: no copy
-        return [buf], b""
     *parts, rest = buf.split(b"\n\n")
     return [p + b"\n\n" for p in parts], rest
 

@@ -74,14 +74,21 @@ class _TranslatedBody(httpx.AsyncByteStream):
             await self.inner.aclose()
 
 
+def _own_body(response: httpx.Response) -> Body | None:
+    """The body of a response from our transport (proxy/transport.py), else None."""
+    stream = response.stream
+    if isinstance(stream, _TranslatedBody) and isinstance(stream.inner, Body):
+        return stream.inner
+    return None
+
+
 def abort(response: httpx.Response) -> bool:
     """Close a streaming response's connection at once, without awaiting, where the
     transport allows it (ours): True if it did. The response must still be closed."""
-    stream = response.stream
-    if isinstance(stream, _TranslatedBody) and isinstance(stream.inner, Body):
-        stream.inner.conn.close()
-        return True
-    return False
+    body = _own_body(response)
+    if body is not None:
+        body.conn.close()
+    return body is not None
 
 
 def _address(url: httpx.URL) -> str:
@@ -257,12 +264,12 @@ def _event_reader(response: httpx.Response) -> tuple[Callable[[], Awaitable[byte
     """How an SSE body is read as it arrives, and the upstream's address for its errors.
     An encoded one must be decoded for its events to be found; it then goes out plain."""
     encoded = "content-encoding" in response.headers
-    stream = response.stream
-    if not encoded and isinstance(stream, _TranslatedBody) and isinstance(stream.inner, Body):
+    body = None if encoded else _own_body(response)
+    if body is not None:
         # Our transport's body, read directly rather than through three async generators
         # (httpx's, _TranslatedBody's, its own): a relayed event is one read. Its errors are
         # translated once, around the caller's loop.
-        return stream.inner.read, stream.address
+        return body.read, _address(response.request.url)
     chunks = aiter(response.aiter_bytes() if encoded else response.aiter_raw())
 
     async def read() -> bytes:

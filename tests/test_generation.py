@@ -91,9 +91,18 @@ class Client:
         await asyncio.wait_for(written(), 5)
 
 
-def _generation(feed: Feed, buffer_bytes: int = 1 << 20, followable: bool = True) -> Generation:
+def _generation(
+    feed: Feed | None = None,
+    buffer_bytes: int = 1 << 20,
+    followable: bool = True,
+    *,
+    over: httpx.AsyncBaseTransport | None = None,
+    url: str = "http://upstream.test",
+) -> Generation:
+    """A generation of one streaming chat request, read from `feed` (or `over` a real
+    transport, from the upstream at `url`)."""
     ask = Ask(
-        request=httpx.Request("POST", "http://upstream.test/v1/chat/completions"),
+        request=httpx.Request("POST", url + "/v1/chat/completions", json={"stream": True}),
         upstream="up",
         key="turn",
         body_hash="body",
@@ -103,7 +112,8 @@ def _generation(feed: Feed, buffer_bytes: int = 1 << 20, followable: bool = True
         stamp_ids=False,
         followable=followable,
     )
-    return Generation(ask, UpstreamClient(Transport(feed)), MemoryRegistry(), Budget(1 << 30))
+    transport = over or Transport(feed or Feed())
+    return Generation(ask, UpstreamClient(transport), MemoryRegistry(), Budget(1 << 30))
 
 
 def _subscribe(
@@ -116,6 +126,18 @@ def _subscribe(
     )
     task = asyncio.create_task(sub({}, client.receive, client.send))
     return sub, task, finished
+
+
+async def _one_event_written(
+    feed: Feed,
+) -> tuple[Generation, Client, asyncio.Task[None], list[Record]]:
+    """A generation with one client, which has been written its first event."""
+    gen = _generation(feed)
+    client = Client()
+    _, task, finished = _subscribe(gen, client)
+    feed.queue.put_nowait(b"data: one\n\n")
+    await client.wait_bodies(1)
+    return gen, client, task, finished
 
 
 def _supersede(gen: Generation) -> Callable[[], None]:
@@ -152,11 +174,7 @@ async def test_an_event_taken_just_before_the_fence_is_never_written() -> None:
 
 async def test_the_reader_writing_for_its_one_client_checks_the_fence_too() -> None:
     feed = Feed()
-    gen = _generation(feed)
-    client = Client()
-    _, task, finished = _subscribe(gen, client)
-    feed.queue.put_nowait(b"data: one\n\n")
-    await client.wait_bodies(1)
+    gen, client, task, finished = await _one_event_written(feed)
     # The fence lands in the reader's own step, before it takes "two" (already queued):
     # the reader writes for its parked client, and must drop it.
     feed.queue.put_nowait(_supersede(gen))
@@ -175,18 +193,7 @@ async def test_a_fence_closes_the_old_upstream_connection_in_the_claims_own_step
     # later, on a busy proxy milliseconds).
     upstream.default = Script(tokens=5, gated=True)
     transport = FastTransport()
-    ask = Ask(
-        request=httpx.Request("POST", upstream.url + "/v1/chat/completions", json={"stream": 1}),
-        upstream="up",
-        key="turn",
-        body_hash="body",
-        streaming=True,
-        max_event_bytes=1 << 20,
-        buffer_bytes=1 << 20,
-        stamp_ids=False,
-        followable=True,
-    )
-    gen = Generation(ask, UpstreamClient(transport), MemoryRegistry(), Budget(1 << 30))
+    gen = _generation(over=transport, url=upstream.url)
     client = Client()
     _, task, finished = _subscribe(gen, client)
     await client.wait_bodies(1)
@@ -205,11 +212,7 @@ async def test_a_cancellation_from_outside_still_ends_the_response() -> None:
     # those cancellations: one from elsewhere (a server shutting down) ends it, and the
     # last client leaving still closes the upstream.
     feed = Feed()
-    gen = _generation(feed)
-    client = Client()
-    _, task, finished = _subscribe(gen, client)
-    feed.queue.put_nowait(b"data: one\n\n")
-    await client.wait_bodies(1)
+    gen, client, task, finished = await _one_event_written(feed)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -219,11 +222,7 @@ async def test_a_cancellation_from_outside_still_ends_the_response() -> None:
 
 async def test_a_cancellation_from_outside_is_not_absorbed_with_the_fences_own() -> None:
     feed = Feed()
-    gen = _generation(feed)
-    client = Client()
-    _, task, finished = _subscribe(gen, client)
-    feed.queue.put_nowait(b"data: one\n\n")
-    await client.wait_bodies(1)
+    gen, client, task, finished = await _one_event_written(feed)
     _supersede(gen)()  # the fence cancels the response's task ...
     task.cancel()  # ... and so does someone else, before it runs again
     with pytest.raises(asyncio.CancelledError):
