@@ -253,6 +253,9 @@ def redis_server(request: pytest.FixtureRequest) -> Iterator[Server]:
     if request.param == "cluster":
         cluster: RedisClusterServer = request.getfixturevalue("shared_cluster")
         cluster.flush()
+        # Before too: a connection an earlier test's cluster client dropped may have stayed
+        # referenced past that test's teardown (seen in CI, twice, in the same test).
+        _collect_dropped_connections()
         try:
             yield cluster
         finally:
