@@ -1,4 +1,5 @@
-"""A TCP hop a test can cut: a network partition between one proxy and Redis.
+"""A TCP hop a test can cut (a network partition between one proxy and Redis) or slow
+down (`delay`: each chunk arrives that much later, in order, as over a long link).
 
 While the link is cut, bytes are held, not refused: a partition looks like silence to both
 ends (no RST, no FIN), so each side finds out only through its own timeouts, as on a real
@@ -14,8 +15,9 @@ from types import TracebackType
 
 
 class Link:
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, target_port: int, delay: float = 0.0) -> None:
         self.target_port = target_port
+        self.delay = delay
         self.port = 0
         self._open = asyncio.Event()
         self._open.set()
@@ -65,9 +67,38 @@ class Link:
             task.add_done_callback(self._pipes.discard)
 
     async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        if self.delay:
+            await self._delayed(src, dst)
+            return
         with contextlib.suppress(OSError):
             while data := await src.read(65536):
                 await self._open.wait()
                 dst.write(data)
                 await dst.drain()
         dst.close()
+
+    async def _delayed(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        """Latency, not a bandwidth cap: every chunk is due `delay` after it was read."""
+        loop = asyncio.get_running_loop()
+        due: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def deliver() -> None:
+            while True:
+                at, data = await due.get()
+                if not data:
+                    break
+                await asyncio.sleep(at - loop.time())  # the link's latency itself
+                dst.write(data)
+                await dst.drain()
+
+        sender = asyncio.create_task(deliver())
+        try:
+            with contextlib.suppress(OSError):
+                while data := await src.read(65536):
+                    due.put_nowait((loop.time() + self.delay, data))
+            due.put_nowait((0.0, b""))
+            with contextlib.suppress(OSError):
+                await sender
+        finally:
+            sender.cancel()
+            dst.close()

@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 from proxy.config import RegistryConfig
 from proxy.errors import GenerationLost
 from proxy.registry.genlog import (
+    DEAD_AFTER,
     DETECT_WITHIN,
     HEARTBEAT,
     READER_TTL,
@@ -363,3 +364,55 @@ async def test_a_short_silence_of_redis_is_ridden_out_and_a_long_one_reported(
             await writer.end("completed")
         finally:
             await linked.close()
+
+
+async def test_hundreds_of_busy_streams_over_a_slow_link_neither_fail_claims_nor_give_up(
+    single_redis: RedisServer,
+) -> None:
+    """Over a link with 0.3 s round trips, 400 streams each append every 20 ms while 50
+    turns are claimed. A writer that needed a pooled connection per write took 1.8 s to get
+    one (400 writers, 64 connections, 0.3 s each): past the pool's wait, then past DEAD_AFTER
+    it gave up its log; and claims, in the same pool, failed open. One publisher round carries
+    every writer's write on one connection, and claims have a pool of their own."""
+    streams, claims = 400, 50
+    async with registries(single_redis, 1) as (direct,), Link(single_redis.port, 0.15) as link:
+        slow = RedisRegistry(RegistryConfig(backend="redis", url=link.url))
+        unfenced = 0
+
+        def count() -> None:
+            nonlocal unfenced
+            unfenced += 1
+
+        slow.unavailable_hook = count
+        await slow.start()
+        try:
+            log = slow.generation_log()
+            writers = [
+                log.writer(f"busy-{i}", 1, body_hash="h", streaming=True) for i in range(streams)
+            ]
+            sent = 0
+
+            async def append_for(seconds: float) -> None:
+                nonlocal sent
+                until = time.monotonic() + seconds
+                while time.monotonic() < until:
+                    for writer in writers:
+                        writer.append([ev(sent)])
+                    sent += 1
+                    await asyncio.sleep(0.02)  # the upstream's pace
+
+            appending = asyncio.ensure_future(append_for(DEAD_AFTER + 2))
+            await asyncio.sleep(0.5)  # the writers are busy
+            leases = await asyncio.gather(*(slow.claim(f"claimed-{i}") for i in range(claims)))
+            await appending
+            assert unfenced == 0
+            assert all(lease.token > 0 for lease in leases)
+            await asyncio.wait_for(asyncio.gather(*(w.flushed() for w in writers)), 10)
+            assert not any(w.broken for w in writers)
+            # Published whole and in order (read without the slow link).
+            async with await direct.generation_log().follow("busy-7", 1) as reader:
+                got = _flat(await _take(reader, sent))
+            assert got == [(i, ev(i)) for i in range(sent)]
+            await asyncio.gather(*(w.end("completed") for w in writers))
+        finally:
+            await slow.close()

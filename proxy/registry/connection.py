@@ -21,7 +21,7 @@ import contextlib
 import functools
 import time
 from binascii import crc_hqx
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -32,7 +32,7 @@ from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from proxy.errors import RegistryUnavailable
 
@@ -128,21 +128,45 @@ class Keys:
 
 BATCH = 64  # script calls in flight at once on a cluster (no cross-node pipeline there)
 
+Call = tuple[AsyncScript, list[str], list[Any]]  # a script, its keys, its args
+
+
+async def run_scripts(client: Client, calls: Sequence[Call], *, load: bool = True) -> list[Any]:
+    """Each call's reply, or its own error (a RedisError) in its place. One round trip for
+    them all on one server (a pipeline of EVALSHA: redis-py's script pipelines ask SCRIPT
+    EXISTS first, a second round trip every time; a script Redis does not have is loaded
+    and its calls sent again); on a cluster, whose keys live on several nodes, concurrent
+    calls in batches. A failure of the connection itself raises."""
+    if not isinstance(client, Redis):
+        replies: list[Any] = []
+        for i in range(0, len(calls), BATCH):
+            batch = calls[i : i + BATCH]
+            replies += await asyncio.gather(
+                *(script(keys=k, args=a) for script, k, a in batch), return_exceptions=True
+            )
+        return replies
+    async with client.pipeline(transaction=False) as pipe:
+        for script, keys, args in calls:
+            await pipe.evalsha(script.sha, len(keys), *keys, *args)
+        replies = list(await pipe.execute(raise_on_error=False))
+    missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    if missing and load:
+        for source in {calls[i][0].script for i in missing}:
+            await client.script_load(source)
+        again = await run_scripts(client, [calls[i] for i in missing], load=False)
+        for i, reply in zip(missing, again, strict=True):
+            replies[i] = reply
+    return replies
+
 
 async def call_each(
-    client: Client, script: AsyncScript, calls: list[tuple[list[str], list[str | int]]]
+    client: Client, script: AsyncScript, calls: Sequence[tuple[list[str], list[Any]]]
 ) -> list[Any]:
-    """Run `script` once per (keys, args): one round trip for them all on one server (a
-    pipeline); on a cluster, whose keys live on several nodes, concurrent calls in batches."""
-    if isinstance(client, Redis):
-        async with client.pipeline(transaction=False) as pipe:
-            for keys, args in calls:
-                await script(keys=keys, args=args, client=pipe)
-            return list(await pipe.execute())
-    replies: list[Any] = []
-    for i in range(0, len(calls), BATCH):
-        batch = calls[i : i + BATCH]
-        replies += await asyncio.gather(*(script(keys=k, args=a) for k, a in batch))
+    """`run_scripts` of one script, raising the first call's error."""
+    replies = await run_scripts(client, [(script, k, a) for k, a in calls])
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
     return replies
 
 
@@ -151,11 +175,18 @@ def translate(what: str) -> Iterator[None]:
     """The one boundary where redis (and socket) errors become the project's own."""
     try:
         yield
-    except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
-        raise RegistryUnavailable(
-            f"streamfence: the shared turn registry (Redis) is unavailable ({what}: "
-            f"{type(exc).__name__})"
-        ) from exc
+    except ERRORS as exc:
+        raise unavailable(what, exc) from exc
+
+
+ERRORS = (RedisError, RedisClusterException, OSError, TimeoutError)
+
+
+def unavailable(what: str, exc: BaseException) -> RegistryUnavailable:
+    return RegistryUnavailable(
+        f"streamfence: the shared turn registry (Redis) is unavailable ({what}: "
+        f"{type(exc).__name__})"
+    )
 
 
 async def patiently(

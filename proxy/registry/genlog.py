@@ -50,6 +50,7 @@ from proxy.registry.logreader import (
 )
 from proxy.registry.logscripts import CURRENT, FOLLOW, OPEN, READERS, WRITE
 from proxy.registry.logwriter import HEARTBEAT, OUTCOMES, LogWriter
+from proxy.registry.publisher import Publisher
 
 __all__ = [
     "CHECK_EVERY",
@@ -102,6 +103,17 @@ class GenerationLog:
         self._follow = client.register_script(FOLLOW)
         self._current = client.register_script(CURRENT)
         self._readers = client.register_script(READERS)
+        self._publisher: Publisher | None = None
+
+    def publisher(self) -> Publisher:
+        """The one task that sends every writer's writes (`publisher`), made on first use."""
+        if self._publisher is None:
+            self._publisher = Publisher(self.client)
+        return self._publisher
+
+    async def close(self) -> None:
+        if self._publisher is not None:
+            await self._publisher.close()
 
     @staticmethod
     def prefix(key: str) -> str:

@@ -1,10 +1,11 @@
 """Publishing a generation to its log (`genlog`): `LogWriter`.
 
-`started` and `append` only queue: the relay never waits on Redis. One task sends, one
-script per write (one round trip), coalescing the batches that queued up meanwhile; it
-stamps the writer's liveness at least every HEARTBEAT. A failed write is tried again until
-no write has succeeded for DEAD_AFTER; then, or when Redis lost the log, the writer is
-`broken` (logged once): it stops publishing, and its generation carries on locally.
+`started` and `append` only queue: the relay never waits on Redis. The process's one
+`Publisher` sends every writer's next write, all writers in one round trip, each write
+coalescing the batches that queued up meanwhile, and stamps a quiet writer's liveness at
+least every HEARTBEAT. A failed write is tried again until no write of that writer has
+succeeded for DEAD_AFTER; then, or when Redis lost the log, the writer is `broken` (logged
+once): it stops publishing, and its generation carries on locally.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from proxy.errors import RegistryUnavailable
-from proxy.registry.connection import COMMAND_TIMEOUT, patiently
+from proxy.registry.connection import COMMAND_TIMEOUT, Call
 from proxy.registry.logreader import DEAD_AFTER
 
 if TYPE_CHECKING:
@@ -38,9 +39,13 @@ class _Write(NamedTuple):
     entry: list[Any]  # field pairs for the stream entry
 
 
+HEARTBEAT_WRITE = _Write("", [], [])
+
+
 class LogWriter:
-    """Publishes one generation. `started`/`append` only queue (the relay never waits on
-    Redis); one task sends, coalescing what queued up meanwhile into one batch."""
+    """Publishes one generation: a queue of writes that the process's `Publisher` sends,
+    one at a time and in order. `started`/`append` only queue; appends coalesce into the
+    batch still waiting to be sent."""
 
     def __init__(
         self,
@@ -56,20 +61,21 @@ class LogWriter:
         self.broken = False  # Redis failed or lost the log: nothing more is published
         self._keys = log.keys(key, token)
         self._queue: deque[_Write] = deque()
+        self._sending: _Write | None = None  # handed to the publisher, not yet answered
         self._next = 0  # index of the next event appended
         self._pending = 0  # bytes queued
         self._written_at = time.monotonic()  # Redis's last reply to a write
+        self._taken_at = self._written_at  # the last write handed to the publisher
         self._ending = False
         self._refreshed = 0.0  # when the last write extended the expiry and counted readers
-        self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # nothing queued, nothing being sent
+        self._stopped = asyncio.Event()  # its end is written, or it gave up or was aborted
+        self._publisher = log.publisher()
+        self._publisher.add(self)
         if opened:
             self._idle.set()
         else:
             self._put(_Write("o", [body_hash, "1" if streaming else "0"], []))
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(), name=f"streamfence-log-{key[:8]}"
-        )
 
     def started(self, status: int, headers: Sequence[tuple[str, str]]) -> None:
         pairs = json.dumps([list(h) for h in headers])
@@ -86,7 +92,7 @@ class LogWriter:
             self._give_up("Redis is not keeping up")
             return
         last = self._queue[-1] if self._queue else None
-        if last is not None and last.kind == "b":  # coalesce: still one round trip
+        if last is not None and last.kind == "b":  # coalesce: still one write
             last.entry[1].extend(events)
         else:
             self._put(_Write("b", [], [first, list(events)]))
@@ -98,87 +104,70 @@ class LogWriter:
         if not self._ending:
             self._put(_Write("e", ["ended", outcome], ["o", outcome]))
             self._ending = True
-        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(asyncio.shield(self._task), COMMAND_TIMEOUT * 2)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopped.wait(), COMMAND_TIMEOUT * 2)
         await self.abort()
 
     async def abort(self) -> None:
         """Stop publishing without an end: readers see the writer gone (DETECT_WITHIN)."""
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        self._idle.set()
+        self._stop()
 
     async def flushed(self) -> None:
         """Until everything queued so far has been sent (or the writer gave up)."""
         await self._idle.wait()
 
-    def _put(self, write: _Write) -> None:
-        if not self.broken and not self._ending:
-            self._queue.append(write)
-            self._idle.clear()
-            self._wake.set()
+    # The publisher's side.
 
-    def _give_up(self, why: str) -> None:
-        if not self.broken:
-            log.warning(
-                "streamfence: turn %s: no longer publishing its generation to Redis (%s); "
-                "it continues in this process",
-                self.key[:16],
-                why,
-            )
-        self.broken = True
-        self._queue.clear()
-        self._wake.set()
-        self._idle.set()
-
-    async def _run(self) -> None:
-        while not self.broken:
-            if not self._queue:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), HEARTBEAT)
-            self._wake.clear()
-            write = self._queue.popleft() if self._queue else _Write("", [], [])
-            count = await self._send_patiently(write)
-            if count is None:
-                return
-            if write.kind == "b":
-                self._pending -= sum(map(len, write.entry[1]))
-            if count == -1:
-                self._give_up("Redis lost the log (restarted, or evicted it)")
-                return
-            if count >= 0:
-                self.readers = count
-            if not self._queue:
-                self._idle.set()
-            if write.kind == "e":
-                return
-
-    async def _send_patiently(self, write: _Write) -> int | None:
-        """The write's reply; None once no write has succeeded for DEAD_AFTER (its readers
-        allow that long a silence): the writer gives up. A write Redis did apply before its
-        reply was lost is sent again: readers drop the batches they have (by index)."""
-        try:
-            reply = await patiently(
-                lambda: self._send(write),
-                "publish",
-                answered_at=self._written_at,
-                within=DEAD_AFTER,
-            )
-        except RegistryUnavailable as exc:
-            self._give_up(exc.message)
+    def take(self, now: float) -> Call | None:
+        """The next write to send, as a script call; None if there is none (or one is
+        being sent already: a writer's writes go one at a time, in order)."""
+        if self._sending is not None or self._stopped.is_set():
             return None
-        self._written_at = time.monotonic()
-        return int(reply)
+        if not self._queue:
+            if now - self._taken_at < HEARTBEAT:
+                return None
+            self._queue.append(HEARTBEAT_WRITE)
+        write = self._sending = self._queue.popleft()
+        self._taken_at = now
+        return self._call(write, now)
 
-    async def _send(self, write: _Write) -> Any:
+    def answered(self, reply: Any, now: float) -> None:
+        """The reply to the write `take` handed out: an int, or the RegistryUnavailable
+        that failed it."""
+        write, self._sending = self._sending, None
+        if write is None or self._stopped.is_set():
+            return  # aborted meanwhile
+        if isinstance(reply, RegistryUnavailable):
+            if now - self._written_at > DEAD_AFTER:
+                self._give_up(reply.message)
+            else:
+                self._queue.appendleft(write)  # sent again (readers drop what they have)
+            return
+        self._written_at = now
+        if write.kind == "b":
+            self._pending -= sum(map(len, write.entry[1]))
+        count = 0 if write.kind == "o" else int(reply)  # 'o' answers Redis's clock
+        if count == -1:
+            self._give_up("Redis lost the log (restarted, or evicted it)")
+            return
+        if count >= 0:
+            self.readers = count
+        if write.kind == "e":
+            self._stop()
+        elif not self._queue:
+            self._idle.set()
+
+    @property
+    def waiting(self) -> bool:
+        """Has a write queued that is not being sent."""
+        return bool(self._queue) and self._sending is None and not self._stopped.is_set()
+
+    def _call(self, write: _Write, now: float) -> Call:
         if write.kind == "o":
             args = [self.log.ttl_ms, self.log.maxlen, *write.meta]
-            await self.log._open(keys=self._keys, args=args)
-            return 0
+            return (self.log._open, self._keys, args)
         entry = write.entry
         ttl = self.log.linger_ms if write.kind == "e" else self.log.ttl_ms
-        now = time.monotonic()
         if write.kind == "b" and now - self._refreshed < HEARTBEAT:
             ttl = 0  # a busy stream: expiry and reader count once per HEARTBEAT, not per batch
         else:
@@ -189,4 +178,27 @@ class LogWriter:
             meta += ["next", first + len(events)]
             entry = ["i", first, "l", ",".join(str(len(e)) for e in events), "d", b"".join(events)]
         args = [ttl, self.log.maxlen, write.kind, len(meta) // 2, *meta, *entry]
-        return await self.log._write(keys=self._keys, args=args)
+        return (self.log._write, self._keys, args)
+
+    def _put(self, write: _Write) -> None:
+        if not self.broken and not self._ending:
+            self._queue.append(write)
+            self._idle.clear()
+            self._publisher.wake(self)
+
+    def _give_up(self, why: str) -> None:
+        if not self.broken:
+            log.warning(
+                "streamfence: turn %s: no longer publishing its generation to Redis (%s); "
+                "it continues in this process",
+                self.key[:16],
+                why,
+            )
+        self.broken = True
+        self._stop()
+
+    def _stop(self) -> None:
+        self._queue.clear()
+        self._stopped.set()
+        self._idle.set()
+        self._publisher.remove(self)

@@ -107,16 +107,21 @@ class RedisRegistry(Registry):
         self._warned_at = -WARN_EVERY
         self._suppressed = 0
         self._log: GenerationLog | None = None
+        self._writes: Client | None = None  # the log's own pool, made with the log
         self._reads: Client | None = None  # the log's blocking reads, made with the log
         self._watched: dict[str, set[Lease]] = {}  # other processes' generations followed here
 
     def generation_log(self) -> GenerationLog:
         """The generation log (`genlog`), on this registry's Redis connection."""
         if self._log is None:
+            # Its own pools: a busy process's log appends (one per stream, always in
+            # flight) held every pooled connection, and claims queued behind them until
+            # they timed out and failed open, leaving the streams they should fence running.
+            self._writes = connect(self.config.url)
             self._reads = connect(
                 self.config.url, command_timeout=COMMAND_TIMEOUT + CHECK_EVERY, queue=False
             )
-            self._log = GenerationLog(self._client, reads=self._reads)
+            self._log = GenerationLog(self._writes, reads=self._reads)
         return self._log
 
     def watch(self, lease: Lease) -> None:
@@ -156,9 +161,11 @@ class RedisRegistry(Registry):
                 task.cancel()
             if late:
                 await asyncio.wait(late, timeout=COMMAND_TIMEOUT)
-        await self._client.aclose()
-        if self._reads is not None:
-            await self._reads.aclose()
+        if self._log is not None:
+            await self._log.close()
+        for client in (self._client, self._writes, self._reads):
+            if client is not None:
+                await client.aclose()
 
     async def ready(self) -> bool:
         if self.fail_open:
