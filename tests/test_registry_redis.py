@@ -26,6 +26,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from proxy.config import ConfigError, RegistryConfig, load
 from proxy.registry.redis import ACK_WAIT, RedisRegistry
+from proxy.registry.rounds import ROUNDS
 from tests.conftest import Proxy, ProxyFactory
 from tests.redis_server import (
     REDIS_SERVER,
@@ -293,6 +294,32 @@ async def test_a_burst_of_concurrent_claims_is_never_forwarded_unfenced(
         assert unfenced == 0
         assert all(lease.token > 0 for lease in leases)  # every one entered Redis
         await asyncio.gather(*(registry.release(lease) for lease in leases))
+    finally:
+        await registry.close()
+
+
+async def test_a_burst_of_claims_and_releases_goes_in_a_few_round_trips(
+    single_redis: RedisServer,
+) -> None:
+    """Claims and releases made at once share round trips (`rounds.Batcher`): 300 of each
+    need a handful of connections and commands, not one of each per call (then: 64 new
+    connections, the pool's size, and 600 commands)."""
+    registry = RedisRegistry(RegistryConfig(backend="redis", url=single_redis.url))
+    await registry.start()
+    try:
+        async with redis_client(single_redis) as r:
+            before = await r.info("stats")
+            leases = await asyncio.gather(*(registry.claim(f"many-{i}") for i in range(300)))
+            await asyncio.gather(*(registry.release(lease) for lease in leases))
+            after = await r.info("stats")
+        opened = after["total_connections_received"] - before["total_connections_received"]
+        assert opened <= 2 * ROUNDS, opened
+        assert (
+            len({lease.token for lease in leases}) == 300
+            and min(lease.token for lease in leases) > 0
+        )
+        async with redis_client(single_redis) as r:
+            assert not await r.keys("streamfence:{many-*")  # every entry was released
     finally:
         await registry.close()
 

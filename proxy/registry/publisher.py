@@ -15,18 +15,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from proxy.errors import RegistryUnavailable
-from proxy.registry.connection import (
-    RETRY_AFTER,
-    Call,
-    Client,
-    run_scripts,
-    translate,
-    unavailable,
-)
+from proxy.registry.connection import RETRY_AFTER, Call, Client
 from proxy.registry.logwriter import HEARTBEAT
+from proxy.registry.rounds import send_round
 
 if TYPE_CHECKING:
     from proxy.registry.logwriter import LogWriter
@@ -93,7 +86,7 @@ class Publisher:
                 sent.append(writer)
         if not calls:
             return False
-        replies = await self._send(calls)
+        replies = await send_round(self.client, calls, "publish")
         now = time.monotonic()
         failed = False
         for writer, reply in zip(sent, replies, strict=True):
@@ -102,16 +95,3 @@ class Publisher:
             if writer.waiting:
                 self._ready[writer] = None
         return failed
-
-    async def _send(self, calls: list[Call]) -> list[Any]:
-        """Each call's reply, or the RegistryUnavailable that failed it (all of them, when
-        the round itself failed)."""
-        try:
-            with translate("publish"):
-                replies = await run_scripts(self.client, calls)
-        except RegistryUnavailable as exc:
-            return [exc] * len(calls)
-        except Exception as exc:  # a bug: logged, and no writer is left waiting on it
-            log.exception("streamfence: publishing generation logs failed")
-            return [unavailable("publish", exc)] * len(calls)
-        return [unavailable("publish", r) if isinstance(r, BaseException) else r for r in replies]

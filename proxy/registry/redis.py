@@ -42,9 +42,11 @@ from proxy.registry.connection import (
     Keys,
     call_each,
     connect,
+    is_cluster,
     translate,
 )
 from proxy.registry.genlog import CHECK_EVERY, DEAD_AFTER, READER_TTL, GenerationLog
+from proxy.registry.rounds import Batcher
 from proxy.registry.scripts import CLAIM, CLAIM_OR_FOLLOW, REFRESH, RELEASE
 from proxy.registry.subscriber import Recent, Subscriber
 
@@ -91,6 +93,10 @@ class RedisRegistry(Registry):
         self._claim_or_follow = self._client.register_script(CLAIM_OR_FOLLOW)
         self._release = self._client.register_script(RELEASE)
         self._refresh = self._client.register_script(REFRESH)
+        # Claims and releases of concurrent requests go together (`rounds`): under load,
+        # one round trip for many, which is when redis-py's per-command cost would tell.
+        self._claims = Batcher(self._client, "claim")
+        self._releases = Batcher(self._client, "release")
         self._local: dict[str, _Local] = {}
         self._by_ref: dict[Ref, Lease] = {}  # claimed here and not yet released
         self._ended: Recent[Ref] = Recent()  # released here: confirmed as fenced if asked
@@ -114,10 +120,13 @@ class RedisRegistry(Registry):
     def generation_log(self) -> GenerationLog:
         """The generation log (`genlog`), on this registry's Redis connection."""
         if self._log is None:
-            # Its own pools: a busy process's log appends (one per stream, always in
-            # flight) held every pooled connection, and claims queued behind them until
-            # they timed out and failed open, leaving the streams they should fence running.
-            self._writes = connect(self.config.url)
+            # A pool of its own on one server: a busy process's log appends held every
+            # pooled connection, and claims queued behind them until they timed out and
+            # failed open, leaving the streams they should fence running. (A cluster
+            # client's pools are unbounded; and a second one, first used by concurrent
+            # calls, set up its slot map twice at once: redis-py 8.1 then wrote on a
+            # connection the other had closed.)
+            self._writes = self._client if is_cluster(self.config.url) else connect(self.config.url)
             self._reads = connect(
                 self.config.url, command_timeout=COMMAND_TIMEOUT + CHECK_EVERY, queue=False
             )
@@ -161,11 +170,12 @@ class RedisRegistry(Registry):
                 task.cancel()
             if late:
                 await asyncio.wait(late, timeout=COMMAND_TIMEOUT)
+        await self._claims.close()
+        await self._releases.close()
         if self._log is not None:
             await self._log.close()
-        for client in (self._client, self._writes, self._reads):
-            if client is not None:
-                await client.aclose()
+        for client in {c for c in (self._client, self._writes, self._reads) if c is not None}:
+            await client.aclose()
 
     async def ready(self) -> bool:
         if self.fail_open:
@@ -271,7 +281,7 @@ class RedisRegistry(Registry):
         # The caller may be cancelled (its client left) after Redis ran the script: the
         # entry it created must not be left to linger for a whole TTL.
         keys = [self.keys.entry(key), self.keys.counter(key)]
-        call = asyncio.ensure_future(script(keys=keys, args=args))
+        call = self._claims.submit((script, keys, args))
         try:
             reply: list[Any] = await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -356,8 +366,8 @@ class RedisRegistry(Registry):
 
     async def _release_entry(self, lease: Lease) -> None:
         try:
-            with translate("release"):
-                await self._release(keys=[self.entry_key(lease.key)], args=[str(lease.token)])
+            keys = [self.entry_key(lease.key)]
+            await self._releases.submit((self._release, keys, [str(lease.token)]))
         except RegistryUnavailable as exc:
             # The stream has ended either way; the entry expires with its TTL.
             log.debug("%s; turn %s left to expire", exc.message, lease.key[:16])
