@@ -380,6 +380,46 @@ async def test_a_newer_claim_heard_before_the_own_reply_still_fences(
         await registry.close()
 
 
+async def test_a_fence_is_confirmed_by_message_only_to_a_claim_of_another_process(
+    redis_server: Server,
+) -> None:
+    """Every confirmation reaches every process's subscriber. A claim of this process
+    that replaced a lease of this process needs none (it fenced it in its own step), even
+    when the old lease has been released before the claim's message is heard, as a
+    superseded stream usually has (B5: one confirmation per supersede before)."""
+    registry = RedisRegistry(RegistryConfig(backend="redis", url=redis_server.url))
+    acked: list[tuple[str, int]] = []
+    registry._ack = acked.append  # type: ignore[method-assign]
+    await registry.start()
+    try:
+        old = await registry.claim("own")
+        new = await registry.claim("own")
+        assert old.superseded
+        await registry.release(old)
+        registry._heard(new.token, new.attempt, old.token, "own")  # its message, late
+        assert acked == []
+        registry._heard(new.token + 1, 9, new.token, "own")  # another process's claim
+        assert acked == [("own", new.token)]
+        await registry.release(new)
+        registry._heard(new.token + 2, 10, new.token, "own")  # ...heard after the release
+        assert acked == [("own", new.token)] * 2
+        # Another process's claim heard while one of ours for the key waits for its reply:
+        # confirmed once ours is answered (and is not the same claim).
+        held = await registry.claim("pending")
+        ours = asyncio.create_task(registry.claim("pending"))
+        await asyncio.sleep(0)  # our claim is now waiting for Redis
+        registry._heard(2**62, 7, held.token, "pending")
+        assert acked == [("own", new.token)] * 2
+        mine = await ours
+        await registry.release(mine)
+        await registry.release(held)
+        await asyncio.sleep(0)  # the held confirmation goes out in the next loop step
+        # (ours is confirmed as fenced too: the message said it was replaced meanwhile)
+        assert sorted(acked[2:]) == sorted([("pending", held.token), ("pending", mine.token)])
+    finally:
+        await registry.close()
+
+
 async def test_entries_outlive_the_ttl_while_held_and_missed_claims_are_caught_up(
     redis_server: Server,
 ) -> None:

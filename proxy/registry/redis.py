@@ -104,6 +104,8 @@ class RedisRegistry(Registry):
         self._waiters: dict[Ref, list[asyncio.Future[None]]] = {}
         self._pending: dict[str, int] = {}  # claims in flight per key
         self._early: dict[str, tuple[int, int]] = {}  # newest claim heard for a pending key
+        # (token, prev) of claims heard while one of ours was pending: maybe ours.
+        self._held: dict[str, list[tuple[int, int]]] = {}
         self._unfenced = itertools.count(-1, -1)  # fail-open tokens: never a Redis token
         self._subscriber = Subscriber(
             self._client, self.channel, self._on_message, self._refresh_all
@@ -239,6 +241,9 @@ class RedisRegistry(Registry):
             else:
                 del self._pending[key]
                 self._early.pop(key, None)
+                held = self._held.pop(key, None)
+                if held:  # decided once this claim's lease is on the books (same step)
+                    asyncio.get_running_loop().call_soon(self._ack_unless_ours, key, held)
         if reply[0] == b"follow":
             return Follow(int(reply[1]), int(reply[2]), int(reply[3]))
         if reply[0] == b"beside":
@@ -386,14 +391,23 @@ class RedisRegistry(Registry):
         replaced = self._by_ref.get((key, prev))
         if replaced is not None:
             replaced.supersede(newer_attempt=attempt)
-            if (key, token) not in self._by_ref:  # a claim of this process needs no message
-                self._ack((key, prev))
-        elif (key, prev) in self._ended:
-            self._ack((key, prev))
+        if replaced is not None or (key, prev) in self._ended:
+            if key in self._pending:  # maybe our own claim, its reply not yet read
+                self._held.setdefault(key, []).append((token, prev))
+            else:
+                self._ack_unless_ours(key, [(token, prev)])
         if key in self._pending:
             early = self._early.get(key)
             if early is None or early[0] < token:
                 self._early[key] = (token, attempt)
+
+    def _ack_unless_ours(self, key: str, claims: list[tuple[int, int]]) -> None:
+        """Confirm the fence of `prev` to each claim `token` made by another process. A
+        claim of this process fenced its own predecessor in its own step: a message would
+        only reach every process's subscriber for nothing (one per supersede, before)."""
+        for token, prev in claims:
+            if (key, token) not in self._by_ref and (key, token) not in self._ended:
+                self._ack((key, prev))
 
     def _confirmed_by_holder(self, ref: Ref) -> None:
         self._acked.add(ref)
