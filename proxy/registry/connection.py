@@ -170,6 +170,9 @@ async def call_each(
     return replies
 
 
+ERRORS = (RedisError, RedisClusterException, OSError, TimeoutError)
+
+
 @contextlib.contextmanager
 def translate(what: str) -> Iterator[None]:
     """The one boundary where redis (and socket) errors become the project's own."""
@@ -177,9 +180,6 @@ def translate(what: str) -> Iterator[None]:
         yield
     except ERRORS as exc:
         raise unavailable(what, exc) from exc
-
-
-ERRORS = (RedisError, RedisClusterException, OSError, TimeoutError)
 
 
 def unavailable(what: str, exc: BaseException) -> RegistryUnavailable:
