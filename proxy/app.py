@@ -359,6 +359,9 @@ def create_app(
             ssl_context_for(config.server.ca_bundle, os.environ),
         )
         log = runtime.registry.generation_log() if config.registry.follow_across else None
+        if log is not None:
+            abandoned = runtime.metrics.logs_abandoned
+            log.abandoned_hook = lambda reason: abandoned.labels(reason).inc()
         runtime.generations = Generations(runtime.client, runtime.registry, runtime.budget, log)
         await runtime.registry.start()
         drain = shutdown.Drain(runtime.active, config.server.shutdown_grace)

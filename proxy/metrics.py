@@ -12,6 +12,10 @@ dialects, outcomes and error kinds only: never a credential, a turn id or a body
     streamfence_added_ttfb_seconds                         time to first byte the proxy adds
     streamfence_upstream_errors_total{upstream,kind}       connect | timeout | protocol | malformed
     streamfence_registry_unavailable_total                 forwarded unfenced (fail_open)
+    streamfence_generation_logs_abandoned_total{reason}    generations that stopped publishing
+        to Redis, so that followers elsewhere get `generation_lost` (reason: unavailable:
+        Redis refused or did not answer for 2 s | lost: Redis lost the log | behind: 8 MiB
+        queued for a Redis that does not keep up)
     streamfence_websocket_connections_total{upstream,outcome}  upgrades: accepted | refused
         (the upstream's status) | unreachable (426) | rejected (404/401/400) | client_gone
     streamfence_websocket_open                             relayed sockets open now
@@ -135,6 +139,12 @@ class Metrics:
         self.registry_unavailable = Counter(
             "streamfence_registry_unavailable",
             "Requests forwarded without fencing because the registry was unreachable",
+            registry=r,
+        )
+        self.logs_abandoned = Counter(
+            "streamfence_generation_logs_abandoned",
+            "Generations that stopped publishing to Redis (followers elsewhere get an error)",
+            ["reason"],
             registry=r,
         )
 

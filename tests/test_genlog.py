@@ -262,6 +262,8 @@ async def test_redis_restarted_mid_stream_readers_get_an_error_writers_carry_on(
 async def test_a_log_redis_lost_is_reported_as_lost_to_readers(redis_server: Server) -> None:
     async with registries(redis_server) as (a, b), redis_client(redis_server) as r:
         log = a.generation_log()
+        abandoned: list[str] = []
+        log.abandoned_hook = abandoned.append
         writer = await log.open("evicted", 9, body_hash="h", streaming=True)
         writer.append([ev(0)])
         await writer.flushed()
@@ -271,7 +273,7 @@ async def test_a_log_redis_lost_is_reported_as_lost_to_readers(redis_server: Ser
         await r.delete(meta)  # as an eviction policy or a restart would
         writer.append([ev(1)])
         await writer.flushed()
-        assert writer.broken
+        assert writer.broken and abandoned == ["lost"]
         with pytest.raises(GenerationLost) as lost:
             await _take(reader, 1)
         assert lost.value.reason == "lost"

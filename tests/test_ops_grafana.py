@@ -52,6 +52,7 @@ def exported() -> dict[str, set[str]]:
     metrics.events_saved.labels("u").inc()
     metrics.follow_refused.labels("u", "buffer_over_cap").inc()
     metrics.registry_unavailable.inc()
+    metrics.logs_abandoned.labels("lost").inc()
     out: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(metrics.render().decode()):
         for sample in family.samples:

@@ -21,7 +21,7 @@ from proxy.registry.genlog import DETECT_WITHIN
 from proxy.registry.redis import RedisRegistry
 from tests.conftest import Proxy, ProxyFactory
 from tests.netlink import Link
-from tests.redis_server import REDIS_SERVER, RedisServer, Server
+from tests.redis_server import REDIS_SERVER, RedisServer, Server, redis_client
 from tests.sse_client import Event, chat_body, events, open_stream
 from tests.test_registry_redis import ProxyProcess, _wait_subscribers
 from tests.upstream import ScriptedUpstream
@@ -303,6 +303,42 @@ async def test_a_partition_between_the_writer_and_redis_keeps_its_answer_local(
         for p in (pa, pb):
             await p.runtime.wait_idle()
             assert p.runtime.registry.live_keys() == 0 and p.runtime.budget.used == 0
+
+
+async def test_a_log_redis_lost_mid_stream_is_counted_and_the_answer_stays_whole(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, single_redis: RedisServer
+) -> None:
+    """Redis loses a generation's log while it streams (evicted, or a restart without its
+    data): the generation stops publishing, its own client still gets the whole answer, and
+    `streamfence_generation_logs_abandoned_total{reason="lost"}` says so."""
+    overrides = {"registry.backend": "redis", "registry.url": single_redis.url, **HEALTHY}
+    async with (
+        make_proxy(upstream.url, **overrides) as pa,
+        redis_client(single_redis) as r,
+        pa.client() as ca,
+        AsyncExitStack() as stack,
+    ):
+        await _subscribed(pa)
+        body = chat_body(gated=True, tokens=4, prefix="L")
+        a = await open_stream(stack, ca, CHAT, body, {"X-Turn-Id": "remote-lost"})
+        got = events(a)
+        assert (await anext(got)).text == "L0 "
+        assert pa.runtime.generations is not None
+        (generation,) = pa.runtime.generations._live.values()
+        writer = generation.writer
+        assert writer is not None
+        await writer.flushed()  # the first event is in the log...
+        metas = [k async for k in r.scan_iter("streamfence:{*}:gen:*:meta")]
+        assert len(metas) == 1
+        await r.delete(*metas)  # ...which Redis then loses
+        assert _count(pa, "logs_abandoned", "lost") == 0
+        upstream.seen[0].release(10)
+        rest = await asyncio.wait_for(_rest(got), 10)
+        assert "".join(e.text for e in rest) == "L1 L2 L3 " and rest[-1].data == "[DONE]"
+        await asyncio.wait_for(writer.flushed(), 5)  # queued before they were relayed
+        assert writer.broken
+        assert _count(pa, "logs_abandoned", "lost") == 1
+        assert _count(pa, "logs_abandoned", "unavailable") == 0
 
 
 async def test_without_follow_across_each_process_asks_for_itself(

@@ -34,6 +34,7 @@ publishing and its generation carries on locally. Readers get `GenerationLost`.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import NamedTuple
 
 from proxy.errors import GenerationLost, RegistryUnavailable
@@ -104,6 +105,8 @@ class GenerationLog:
         self._current = client.register_script(CURRENT)
         self._readers = client.register_script(READERS)
         self._publisher: Publisher | None = None
+        # Called with the reason when a writer stops publishing (the app counts them).
+        self.abandoned_hook: Callable[[str], None] | None = None
 
     def publisher(self) -> Publisher:
         """The one task that sends every writer's writes (`publisher`), made on first use."""

@@ -89,7 +89,7 @@ class LogWriter:
         self._next += len(events)
         self._pending += sum(map(len, events))
         if self._pending > MAX_PENDING:
-            self._give_up("Redis is not keeping up")
+            self._give_up("Redis is not keeping up", "behind")
             return
         last = self._queue[-1] if self._queue else None
         if last is not None and last.kind == "b":  # coalesce: still one write
@@ -139,7 +139,7 @@ class LogWriter:
             return  # aborted meanwhile
         if isinstance(reply, RegistryUnavailable):
             if now - self._written_at > DEAD_AFTER:
-                self._give_up(reply.message)
+                self._give_up(reply.message, "unavailable")
             else:
                 self._queue.appendleft(write)  # sent again (readers drop what they have)
             return
@@ -148,7 +148,7 @@ class LogWriter:
             self._pending -= sum(map(len, write.entry[1]))
         count = 0 if write.kind == "o" else int(reply)  # 'o' answers Redis's clock
         if count == -1:
-            self._give_up("Redis lost the log (restarted, or evicted it)")
+            self._give_up("Redis lost the log (restarted, or evicted it)", "lost")
             return
         if count >= 0:
             self.readers = count
@@ -186,7 +186,7 @@ class LogWriter:
             self._idle.clear()
             self._publisher.wake(self)
 
-    def _give_up(self, why: str) -> None:
+    def _give_up(self, why: str, reason: str) -> None:
         if not self.broken:
             log.warning(
                 "streamfence: turn %s: no longer publishing its generation to Redis (%s); "
@@ -194,6 +194,8 @@ class LogWriter:
                 self.key[:16],
                 why,
             )
+            if self.log.abandoned_hook is not None:
+                self.log.abandoned_hook(reason)
         self.broken = True
         self._stop()
 
