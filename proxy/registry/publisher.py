@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -23,8 +22,6 @@ from proxy.registry.rounds import send_round
 
 if TYPE_CHECKING:
     from proxy.registry.logwriter import LogWriter
-
-log = logging.getLogger("streamfence")
 
 SWEEP = HEARTBEAT / 4  # how often quiet writers are looked at for a due heartbeat
 
