@@ -74,21 +74,22 @@ class _TranslatedBody(httpx.AsyncByteStream):
             await self.inner.aclose()
 
 
-def _own_body(response: httpx.Response) -> Body | None:
-    """The body of a response from our transport (proxy/transport.py), else None."""
+def _own_body(response: httpx.Response) -> tuple[Body, str] | None:
+    """The body of a response from our transport (proxy/transport.py) and the upstream's
+    address, else None."""
     stream = response.stream
     if isinstance(stream, _TranslatedBody) and isinstance(stream.inner, Body):
-        return stream.inner
+        return stream.inner, stream.address
     return None
 
 
 def abort(response: httpx.Response) -> bool:
     """Close a streaming response's connection at once, without awaiting, where the
     transport allows it (ours): True if it did. The response must still be closed."""
-    body = _own_body(response)
-    if body is not None:
-        body.conn.close()
-    return body is not None
+    own = _own_body(response)
+    if own is not None:
+        own[0].conn.close()
+    return own is not None
 
 
 def _address(url: httpx.URL) -> str:
@@ -264,12 +265,13 @@ def _event_reader(response: httpx.Response) -> tuple[Callable[[], Awaitable[byte
     """How an SSE body is read as it arrives, and the upstream's address for its errors.
     An encoded one must be decoded for its events to be found; it then goes out plain."""
     encoded = "content-encoding" in response.headers
-    body = None if encoded else _own_body(response)
-    if body is not None:
+    own = None if encoded else _own_body(response)
+    if own is not None:
         # Our transport's body, read directly rather than through three async generators
         # (httpx's, _TranslatedBody's, its own): a relayed event is one read. Its errors are
         # translated once, around the caller's loop.
-        return body.read, _address(response.request.url)
+        body, address = own
+        return body.read, address
     chunks = aiter(response.aiter_bytes() if encoded else response.aiter_raw())
 
     async def read() -> bytes:
