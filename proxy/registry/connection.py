@@ -159,26 +159,12 @@ async def run_scripts(client: Client, calls: Sequence[Call], *, load: bool = Tru
     return replies
 
 
-async def call_each(
-    client: Client, script: AsyncScript, calls: Sequence[tuple[list[str], list[Any]]]
-) -> list[Any]:
-    """`run_scripts` of one script, raising the first call's error."""
-    replies = await run_scripts(client, [(script, k, a) for k, a in calls])
-    for reply in replies:
-        if isinstance(reply, Exception):
-            raise reply
-    return replies
-
-
-ERRORS = (RedisError, RedisClusterException, OSError, TimeoutError)
-
-
 @contextlib.contextmanager
 def translate(what: str) -> Iterator[None]:
     """The one boundary where redis (and socket) errors become the project's own."""
     try:
         yield
-    except ERRORS as exc:
+    except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
         raise unavailable(what, exc) from exc
 
 

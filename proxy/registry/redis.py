@@ -38,15 +38,15 @@ from proxy.errors import RegistryUnavailable
 from proxy.registry.base import Lease, Registry
 from proxy.registry.connection import (
     COMMAND_TIMEOUT,
+    Call,
     Client,
     Keys,
-    call_each,
     connect,
     is_cluster,
     translate,
 )
 from proxy.registry.genlog import CHECK_EVERY, DEAD_AFTER, READER_TTL, GenerationLog
-from proxy.registry.rounds import Batcher
+from proxy.registry.rounds import Batcher, send_round
 from proxy.registry.scripts import CLAIM, CLAIM_OR_FOLLOW, REFRESH, RELEASE
 from proxy.registry.subscriber import Recent, Subscriber
 
@@ -66,6 +66,15 @@ class Follow(NamedTuple):
     attempt: int
     events: int  # published so far
     reader_id: str = ""  # registered as a reader of its log under this id, by the claim
+
+
+class _Heard(NamedTuple):
+    """A claim message: its token and attempt, and the lease it replaced, if that one was
+    this process's and is fenced here (None: nothing here to confirm)."""
+
+    token: int
+    attempt: int
+    prev: int | None
 
 
 @dataclass(slots=True)
@@ -103,9 +112,9 @@ class RedisRegistry(Registry):
         self._acked: Recent[Ref] = Recent()  # confirmed fenced by whichever process held them
         self._waiters: dict[Ref, list[asyncio.Future[None]]] = {}
         self._pending: dict[str, int] = {}  # claims in flight per key
-        self._early: dict[str, tuple[int, int]] = {}  # newest claim heard for a pending key
-        # (token, prev) of claims heard while one of ours was pending: maybe ours.
-        self._held: dict[str, list[tuple[int, int]]] = {}
+        # Claims heard for a key while one of ours for it is pending (any may be ours):
+        # the newest may fence ours; the fences they made are confirmed once ours is read.
+        self._early: dict[str, list[_Heard]] = {}
         self._unfenced = itertools.count(-1, -1)  # fail-open tokens: never a Redis token
         self._subscriber = Subscriber(
             self._client, self.channel, self._on_message, self._refresh_all
@@ -227,9 +236,8 @@ class RedisRegistry(Registry):
     async def _claim_with(self, key: str, script: AsyncScript, args: list[str | int]) -> Any:
         self._pending[key] = self._pending.get(key, 0) + 1
         try:
-            with translate("claim"):
-                reply = await self._claim_shielded(key, script, args)
-            early = self._early.get(key)
+            reply = await self._claim_shielded(key, script, args)  # errors: ours already
+            early = max(self._early.get(key, ()), key=lambda heard: heard.token, default=None)
         except RegistryUnavailable:
             if not self.fail_open:
                 raise
@@ -240,10 +248,9 @@ class RedisRegistry(Registry):
                 self._pending[key] = left
             else:
                 del self._pending[key]
-                self._early.pop(key, None)
-                held = self._held.pop(key, None)
-                if held:  # decided once this claim's lease is on the books (same step)
-                    asyncio.get_running_loop().call_soon(self._ack_unless_ours, key, held)
+                heard = self._early.pop(key, None)
+                if heard:  # decided once this claim's lease is on the books (same step)
+                    asyncio.get_running_loop().call_soon(self._ack_unless_ours, key, heard)
         if reply[0] == b"follow":
             return Follow(int(reply[1]), int(reply[2]), int(reply[3]))
         if reply[0] == b"beside":
@@ -264,9 +271,9 @@ class RedisRegistry(Registry):
                 local.holder = lease
             else:  # a later claim of this process was answered first
                 lease.supersede(newer_attempt=local.holder.attempt)
-        if early is not None and early[0] > lease.token:
+        if early is not None and early.token > lease.token:
             # Another process's newer claim was heard before this claim's own reply.
-            lease.supersede(newer_attempt=early[1])
+            lease.supersede(newer_attempt=early.attempt)
             self._ack(_ref(lease))
         prev = (key, int(prev_raw))
         replaced = self._by_ref.get(prev)
@@ -391,23 +398,22 @@ class RedisRegistry(Registry):
         replaced = self._by_ref.get((key, prev))
         if replaced is not None:
             replaced.supersede(newer_attempt=attempt)
-        if replaced is not None or (key, prev) in self._ended:
-            if key in self._pending:  # maybe our own claim, its reply not yet read
-                self._held.setdefault(key, []).append((token, prev))
-            else:
-                self._ack_unless_ours(key, [(token, prev)])
-        if key in self._pending:
-            early = self._early.get(key)
-            if early is None or early[0] < token:
-                self._early[key] = (token, attempt)
+        fenced = replaced is not None or (key, prev) in self._ended
+        if key in self._pending:  # maybe our own claim, its reply not yet read
+            self._early.setdefault(key, []).append(_Heard(token, attempt, prev if fenced else None))
+        elif fenced:
+            self._ack_unless_ours(key, [_Heard(token, attempt, prev)])
 
-    def _ack_unless_ours(self, key: str, claims: list[tuple[int, int]]) -> None:
-        """Confirm the fence of `prev` to each claim `token` made by another process. A
-        claim of this process fenced its own predecessor in its own step: a message would
-        only reach every process's subscriber for nothing (one per supersede, before)."""
-        for token, prev in claims:
-            if (key, token) not in self._by_ref and (key, token) not in self._ended:
-                self._ack((key, prev))
+    def _ack_unless_ours(self, key: str, claims: list[_Heard]) -> None:
+        """Confirm the fence of `prev` to each claim made by another process. A claim of
+        this process fenced its own predecessor in its own step: a message would only
+        reach every process's subscriber for nothing (one per supersede, before)."""
+        for claim in claims:
+            if claim.prev is not None and not self._ours((key, claim.token)):
+                self._ack((key, claim.prev))
+
+    def _ours(self, ref: Ref) -> bool:
+        return ref in self._by_ref or ref in self._ended
 
     def _confirmed_by_holder(self, ref: Ref) -> None:
         self._acked.add(ref)
@@ -444,12 +450,18 @@ class RedisRegistry(Registry):
         holders = [local.holder for local in self._local.values() if not local.holder.superseded]
         if not holders:
             return
-        calls: list[tuple[list[str], list[str | int]]] = [
-            ([self.keys.entry(h.key)], [str(h.token), self.ttl_ms]) for h in holders
+        calls: list[Call] = [
+            (self._refresh, [self.keys.entry(h.key)], [str(h.token), self.ttl_ms]) for h in holders
         ]
-        with translate("refresh"):
-            replies = await call_each(self._client, self._refresh, calls)
-        for lease, (token, attempt) in zip(holders, replies, strict=True):
+        failed: RegistryUnavailable | None = None
+        replies = await send_round(self._client, calls, "refresh")
+        for lease, reply in zip(holders, replies, strict=True):
+            if isinstance(reply, RegistryUnavailable):
+                failed = reply
+                continue
+            token, attempt = reply
             if token is not None and int(token) > lease.token:
                 lease.supersede(newer_attempt=int(attempt))
                 self._ack(_ref(lease))
+        if failed is not None:
+            raise failed  # a catch-up after (re)subscribing is complete, or tried again
