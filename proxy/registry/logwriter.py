@@ -142,6 +142,7 @@ class LogWriter:
                 self._give_up(reply.message, "unavailable")
             else:
                 self._queue.appendleft(write)  # sent again (readers drop what they have)
+                self._publisher.wake(self)
             return
         self._written_at = now
         if write.kind == "b":
@@ -154,13 +155,10 @@ class LogWriter:
             self.readers = count
         if write.kind == "e":
             self._stop()
-        elif not self._queue:
+        elif self._queue:
+            self._publisher.wake(self)  # queued before this round took its write
+        else:
             self._idle.set()
-
-    @property
-    def waiting(self) -> bool:
-        """Has a write queued that is not being sent."""
-        return bool(self._queue) and self._sending is None and not self._stopped.is_set()
 
     def _call(self, write: _Write, now: float) -> Call:
         if write.kind == "o":

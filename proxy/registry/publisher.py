@@ -85,10 +85,6 @@ class Publisher:
             return False
         replies = await send_round(self.client, calls, "publish")
         now = time.monotonic()
-        failed = False
         for writer, reply in zip(sent, replies, strict=True):
-            failed |= isinstance(reply, BaseException)
-            writer.answered(reply, now)
-            if writer.waiting:
-                self._ready[writer] = None
-        return failed
+            writer.answered(reply, now)  # a writer with more to send wakes the next round
+        return any(isinstance(reply, BaseException) for reply in replies)
