@@ -132,6 +132,23 @@ def announce(lines: list[str], fmt: str) -> None:
             startup_log.info(line if fmt == "text" else line.strip())
 
 
+def uvicorn_options(config: Config) -> dict[str, Any]:
+    """How uvicorn runs the proxy, in one process or in each worker."""
+    return dict(
+        loop="proxy.listen:Loop",  # uvloop, accepting every pending connection at a wake-up
+        http="httptools",
+        ws="websockets-sansio",  # WebSocket mode (proxy/websocket.py)
+        ws_max_size=config.server.websocket_max_message_bytes + 1,  # the app says 1009 itself
+        lifespan="on",
+        access_log=False,
+        log_config=None,  # logs.configure routes uvicorn's loggers through our format
+        server_header=False,  # the upstream's own date and server headers pass through
+        date_header=False,
+        # Later than the app's own deadline (proxy.shutdown), which ends streams cleanly.
+        timeout_graceful_shutdown=shutdown.uvicorn_timeout(config.server.shutdown_grace),
+    )
+
+
 def serve(config: Config, log_level: str) -> int:
     import uvicorn  # noqa: PLC0415 - keep `--help` and check-config fast
 
@@ -148,19 +165,7 @@ def serve(config: Config, log_level: str) -> int:
         return 1
     announce(startup_lines(config, port=sock.getsockname()[1]), config.server.log_format)
     signal.signal(signal.SIGTERM, shutdown.exit_cleanly)  # exit 0 after a graceful stop
-    options: dict[str, Any] = dict(
-        loop="uvloop",
-        http="httptools",
-        ws="websockets-sansio",  # WebSocket mode (proxy/websocket.py)
-        ws_max_size=config.server.websocket_max_message_bytes + 1,  # the app says 1009 itself
-        lifespan="on",
-        access_log=False,
-        log_config=None,  # logs.configure routes uvicorn's loggers through our format
-        server_header=False,  # the upstream's own date and server headers pass through
-        date_header=False,
-        # Later than the app's own deadline (proxy.shutdown), which ends streams cleanly.
-        timeout_graceful_shutdown=shutdown.uvicorn_timeout(config.server.shutdown_grace),
-    )
+    options = uvicorn_options(config)
     try:
         if config.server.workers > 1:
             from uvicorn.supervisors import Multiprocess  # noqa: PLC0415

@@ -1,0 +1,131 @@
+"""The listening socket's accept loop: every pending connection at each wake-up.
+
+libuv (and so uvloop) accepts one connection per event-loop iteration since 1.45 ("unix:
+don't accept() connections in a loop", libuv#3696): it counts on level-triggered polling to
+wake it again for the next one. That is cheap on an idle server, but the next iteration comes
+only after everything else that was ready has run. Measured in bench B5 (docs/benchmarks.md):
+with the loop busy relaying 200 streams (iterations of 10-40 ms), one accept per iteration
+admitted ~100 connections a second while 500 arrived, the listening socket's queue grew to
+430 connections, and a supersede waited seconds in the kernel before the proxy saw it (its own
+fence took 0.05 ms). asyncio's own loop accepts up to the backlog at each wake-up; this does
+the same on uvloop.
+
+`Loop` is the loop uvicorn is told to use (`loop="proxy.listen:Loop"`, a custom loop
+factory): uvloop's loop, whose `create_server` on an already-bound socket accepts here and
+hands each connection to uvloop's own transport (`connect_accepted_socket`). Everything else
+is uvloop's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import uvloop
+
+log = logging.getLogger("streamfence")
+
+# Out of descriptors or memory: the socket stays readable and accepting again at once would
+# spin. asyncio waits this long before it tries again (asyncio.constants.ACCEPT_RETRY_DELAY).
+RETRY_DELAY = 1.0
+_SHORT_OF = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+
+ProtocolFactory = Callable[[], asyncio.BaseProtocol]
+
+
+class Listener:
+    """Accepts on one listening socket: what uvicorn needs of an `asyncio.Server`."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        factory: ProtocolFactory,
+        backlog: int,
+    ) -> None:
+        self._loop = loop
+        self._sock = sock
+        self._factory = factory
+        # A wake-up takes at most this many, as asyncio does, so that a flood of connections
+        # cannot starve the streams already relaying.
+        self._batch = max(1, backlog)
+        self._handing: set[asyncio.Task[Any]] = set()  # connections being set up
+        self._serving = False
+        self._retry: asyncio.TimerHandle | None = None
+        sock.setblocking(False)
+        self._start()
+
+    @property
+    def sockets(self) -> tuple[socket.socket, ...]:
+        return (self._sock,)
+
+    def is_serving(self) -> bool:
+        return self._serving
+
+    def _start(self) -> None:
+        self._retry = None
+        self._serving = True
+        self._loop.add_reader(self._sock.fileno(), self._accept)
+
+    def _accept(self) -> None:
+        for _ in range(self._batch):
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return  # nothing more pending: the next connection wakes us
+            except ConnectionAbortedError:
+                continue  # the client gave up while queued: the next one may be there
+            except OSError as exc:
+                if exc.errno not in _SHORT_OF:
+                    raise  # the loop logs it; the reader stays, as asyncio's does
+                log.warning("cannot accept connections for now (%s); retrying in 1 s", exc)
+                self._loop.remove_reader(self._sock.fileno())
+                self._serving = False
+                self._retry = self._loop.call_later(RETRY_DELAY, self._start)
+                return
+            self._hand_over(conn)
+
+    def _hand_over(self, conn: socket.socket) -> None:
+        conn.setblocking(False)
+        task = self._loop.create_task(self._loop.connect_accepted_socket(self._factory, conn))
+        self._handing.add(task)
+        task.add_done_callback(self._handed)
+
+    def _handed(self, task: asyncio.Task[Any]) -> None:
+        self._handing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # The socket is uvloop's from the hand-over: it closed it on the failure.
+            log.warning("could not set up an accepted connection: %r", task.exception())
+
+    def close(self) -> None:
+        """Stop accepting; the listening socket is its owner's to close (uvicorn's)."""
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        if self._serving:
+            self._serving = False
+            self._loop.remove_reader(self._sock.fileno())
+
+    async def wait_closed(self) -> None:
+        # Connections accepted here belong to no uvloop server: uvicorn waits for them
+        # itself (its server state). What is left is a hand-over still under way.
+        if self._handing:
+            await asyncio.wait(list(self._handing))
+
+
+class Loop(uvloop.Loop):
+    """uvloop's loop; a server on an already-bound socket (how serve.py runs uvicorn)
+    accepts every pending connection at each wake-up."""
+
+    async def create_server(
+        self, protocol_factory: ProtocolFactory, *args: Any, **kwargs: Any
+    ) -> Any:
+        sock = kwargs.get("sock")
+        plain = not args and kwargs.get("ssl") is None and set(kwargs) <= {"sock", "ssl", "backlog"}
+        if sock is None or not plain:
+            return await super().create_server(protocol_factory, *args, **kwargs)
+        return Listener(self, sock, protocol_factory, kwargs.get("backlog", 100))
