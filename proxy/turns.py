@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, unquote_plus
 
+import orjson
+
 from proxy.errors import BadRequest
 
 MAX_TURN_ID_BYTES = 256
@@ -96,17 +98,55 @@ def fingerprint_and_mode(
     if not body:
         return None, streaming
     try:
-        parsed: Any = json.loads(body)
-        if isinstance(parsed, dict):
-            streaming = streaming or parsed.get("stream") is True
-            for name in ignore_fields:
-                parsed.pop(name, None)
-        canonical = json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        parsed: Any = json.loads(body, parse_float=_finite, parse_constant=_not_finite)
+        exotic = False
+    except _NotFinite:
+        parsed, exotic = json.loads(body), True
     except (ValueError, RecursionError):  # invalid JSON or UTF-8; nested too deep to parse
         return None, streaming
-    # A lone "\ud83d" escape (a truncated emoji) is valid JSON but not encodable as UTF-8.
-    text = canonical.encode("utf-8", "surrogatepass")
+    if isinstance(parsed, dict):
+        streaming = streaming or parsed.get("stream") is True
+        for name in ignore_fields:
+            parsed.pop(name, None)
+    text = _canonical(parsed, exotic)
+    if text is None:
+        return None, streaming
     return _sha256(b"fingerprint", route.encode(), path.encode(), text), streaming
+
+
+class _NotFinite(Exception):
+    """NaN or an infinity in a body: orjson would write it as null."""
+
+
+def _finite(literal: str) -> float:
+    value = float(literal)
+    if value - value != 0:  # inf - inf is nan; 1e400 parses to inf
+        raise _NotFinite
+    return value
+
+
+def _not_finite(literal: str) -> float:
+    raise _NotFinite
+
+
+def _canonical(parsed: Any, exotic: bool) -> bytes | None:
+    """Sorted keys, no whitespace, UTF-8. orjson writes it in a twentieth of the json
+    module's time (a 177 KB agent body: 0.07 ms against 1.3 ms, on the event loop); the
+    parse stays the json module's, exact for every number. orjson refuses what it cannot
+    write exactly (integers past 64 bits, lone surrogates) and would write NaN as null:
+    those bodies take the json module's writer, whose output is otherwise the same bytes
+    (floats aside, which both write uniquely)."""
+    if not exotic:
+        try:
+            return orjson.dumps(parsed, option=orjson.OPT_SORT_KEYS)
+        except (orjson.JSONEncodeError, RecursionError):
+            pass
+    try:
+        canonical = json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except RecursionError:
+        return None
+    # A lone "\ud83d" escape (a truncated emoji) is valid JSON but not encodable as UTF-8.
+    return canonical.encode("utf-8", "surrogatepass")
 
 
 def split_query_turn(query: str, name: str) -> tuple[str, bytes | None]:

@@ -53,3 +53,16 @@ def test_websocket_benchmark_completes(tmp_path: Path) -> None:
     assert result["messages_received"] == {"direct": every, "streamfence": every}
     assert result["idle"]["sockets"] == spec["idle"] and result["idle"]["kib_per_socket"] > 0
     assert result["ratio"] > 0 and result["rtt_ms"]["streamfence"]["p50"] > 0
+
+
+def test_fingerprint_benchmark_runs_and_agrees_with_the_json_module() -> None:
+    # It asserts the fingerprint equals the json module's before it times anything.
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.fingerprint", "5"],
+        cwd=ROOT,
+        check=True,
+        timeout=120,
+        capture_output=True,
+        text=True,
+    )
+    assert "KB body: fingerprint" in done.stdout and " x)" in done.stdout

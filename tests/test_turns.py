@@ -10,7 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.errors import BadRequest
-from proxy.turns import TurnKey, credential_scope, explicit_turn_id, fingerprint, resolve
+from proxy.turns import (
+    TurnKey,
+    _sha256,
+    credential_scope,
+    explicit_turn_id,
+    fingerprint,
+    resolve,
+)
 
 HEADER = b"x-turn-id"
 IGNORE = ("stream", "stream_options", "timeout")
@@ -183,6 +190,68 @@ def test_fingerprint_is_a_function_of_the_parsed_body_alone(
     without = {k: v for k, v in body.items() if k not in IGNORE}
     assert prints == {fingerprint("r", "/p", json.dumps(without).encode(), IGNORE)}
     assert None not in prints
+
+
+# Text with every kind of character JSON escapes or keeps: controls, quotes, non-ASCII,
+# astral characters, and lone surrogates (st.text() would never generate one).
+TEXT = st.lists(
+    st.characters()
+    | st.characters(max_codepoint=0x1F)
+    | st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF, blacklist_categories=()),
+    max_size=8,
+).map("".join)
+EXACT = st.recursive(  # every JSON value but floats, integers of any size included
+    st.none() | st.booleans() | st.integers() | st.integers(min_value=2**62) | TEXT,
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(TEXT, children, max_size=3),
+    max_leaves=12,
+)
+
+
+def json_module_fingerprint(route: str, path: str, body: Any) -> str:
+    """The definition the fingerprint had with the json module alone: sha256 over the
+    canonical body, sorted keys, no whitespace, UTF-8 (surrogates passed through)."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _sha256(
+        b"fingerprint", route.encode(), path.encode(), canonical.encode("utf-8", "surrogatepass")
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=st.dictionaries(TEXT, EXACT, max_size=5))
+def test_fingerprint_keeps_the_json_modules_canonical_form(body: dict[str, Any]) -> None:
+    # orjson writes the canonical form now: for every body without floats its bytes are the
+    # json module's, so a fingerprint is the one an earlier streamfence computed (replicas
+    # of two versions on one Redis still recognise the same turn).
+    raw = json.dumps(body).encode()
+    # The value as parsed: an escaped surrogate pair reads back as one character.
+    without = {k: v for k, v in json.loads(raw).items() if k not in IGNORE}
+    assert fingerprint("r", "/p", raw, IGNORE) == json_module_fingerprint("r", "/p", without)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        # orjson would write NaN and the infinities as null.
+        ["NaN", "Infinity", "-Infinity", "null"],
+        ["1e400", "-1e400", "null"],  # literals that parse to an infinity
+        # Integers past 64 bits are exact: never rounded to the same float.
+        ["18446744073709551616", "18446744073709551617", "1.8446744073709552e19"],
+        ["-9223372036854775809", "-9223372036854775808"],
+        ["0.1", "0.10000000000000002", "1e-07", "1e-7000", "0"],
+    ],
+)
+def test_distinct_numbers_give_distinct_fingerprints(values: list[str]) -> None:
+    prints = [fingerprint("r", "/p", b'{"a":%s}' % v.encode(), IGNORE) for v in values]
+    assert None not in prints
+    assert len(set(prints)) == len(values)
+
+
+def test_one_number_written_two_ways_gives_one_fingerprint() -> None:
+    pairs = [("1e2", "100.0"), ("1E-7", "0.0000001"), ("2.50", "2.5"), ("1e400", "Infinity")]
+    for a, b in pairs:
+        assert fingerprint("r", "/p", b"[%s]" % a.encode(), IGNORE) == fingerprint(
+            "r", "/p", b"[%s]" % b.encode(), IGNORE
+        )
 
 
 # --- credential scoping -------------------------------------------------------------------
