@@ -90,7 +90,13 @@ class Listener:
 
     def _hand_over(self, conn: socket.socket) -> None:
         conn.setblocking(False)
-        setup = self._loop.connect_accepted_socket(self._factory, conn)
+        try:
+            protocol = self._factory()
+        except Exception as exc:  # noqa: BLE001 - one connection's failure, not the server's
+            conn.close()  # nothing owns it yet
+            log.warning("could not set up an accepted connection: %r", exc)
+            return
+        setup = self._loop.connect_accepted_socket(lambda: protocol, conn)
         # Its first step runs here and now: it opens uvloop's transport and schedules the
         # protocol's connection_made, as uvloop's own accept does. A task would take it one
         # loop iteration later, tens of milliseconds under load. What is left of it is the
@@ -103,8 +109,7 @@ class Listener:
         except StopIteration:
             return
         except Exception as exc:  # noqa: BLE001 - one connection's failure, not the server's
-            # The connection itself failed (the socket is always a TCP one): uvloop has
-            # closed its transport, and with it the socket.
+            # uvloop's transport owns the socket from its first step, and closes both.
             log.warning("could not set up an accepted connection: %r", exc)
             return
         if isinstance(waiting, asyncio.Future):

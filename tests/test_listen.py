@@ -153,6 +153,39 @@ def test_out_of_descriptors_pauses_accepting_then_resumes(
     assert "cannot accept connections for now" in caplog.text
 
 
+def test_a_protocol_that_cannot_be_made_costs_only_its_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main(sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        made: asyncio.Future[asyncio.BaseTransport] = loop.create_future()
+        calls: list[None] = []
+
+        class Second(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                made.set_result(transport)
+
+        def factory() -> asyncio.BaseProtocol:
+            calls.append(None)
+            if len(calls) == 1:
+                raise RuntimeError("no protocol for you")
+            return Second()
+
+        server = await loop.create_server(factory, sock=sock, backlog=100)
+        (await made).close()  # the next connection is served
+        server.close()
+        await server.wait_closed()
+
+    with listening() as sock, caplog.at_level(logging.WARNING, "streamfence"):
+        first, second = queue_connections(sock, 2)
+        run(listen.Loop, main(sock))
+        first.settimeout(5)
+        assert first.recv(1) == b""  # closed by the proxy, not left open (or leaked)
+        first.close()
+        second.close()
+    assert "could not set up an accepted connection" in caplog.text
+
+
 def test_closed_listener_accepts_nothing_more() -> None:
     async def main(sock: socket.socket) -> bool:
         loop = asyncio.get_running_loop()
