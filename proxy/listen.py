@@ -56,6 +56,7 @@ class Listener:
         self._serving = False
         self._retry: asyncio.TimerHandle | None = None
         sock.setblocking(False)
+        sock.listen(self._batch)  # as asyncio's server does: the socket may only be bound
         self._start()
 
     @property

@@ -186,6 +186,32 @@ def test_a_protocol_that_cannot_be_made_costs_only_its_connection(
     assert "could not set up an accepted connection" in caplog.text
 
 
+def test_a_bound_socket_that_is_not_listening_yet_is_served() -> None:
+    # asyncio's and uvloop's servers call listen() themselves: a socket that is only bound
+    # (as tests/upstream.py hands uvicorn) must not make accept() fail on every wake-up.
+    async def main(sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        made: asyncio.Future[asyncio.BaseTransport] = loop.create_future()
+
+        class Once(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                made.set_result(transport)
+
+        server = await loop.create_server(Once, sock=sock, backlog=100)
+        client = await loop.run_in_executor(None, socket.create_connection, sock.getsockname())
+        (await made).close()
+        client.close()
+        server.close()
+        await server.wait_closed()
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    try:
+        run(listen.Loop, main(sock))
+    finally:
+        sock.close()
+
+
 def test_closed_listener_accepts_nothing_more() -> None:
     async def main(sock: socket.socket) -> bool:
         loop = asyncio.get_running_loop()
