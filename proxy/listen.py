@@ -59,10 +59,6 @@ class Listener:
         sock.listen(self._batch)  # as asyncio's server does: the socket may only be bound
         self._start()
 
-    @property
-    def sockets(self) -> tuple[socket.socket, ...]:
-        return (self._sock,)
-
     def is_serving(self) -> bool:
         return self._serving
 

@@ -139,7 +139,7 @@ def _canonical(parsed: Any, exotic: bool) -> bytes | None:
     if not exotic:
         try:
             return orjson.dumps(parsed, option=orjson.OPT_SORT_KEYS)
-        except (orjson.JSONEncodeError, RecursionError):
+        except orjson.JSONEncodeError:  # also its nesting limit, past 255 levels
             pass
     try:
         canonical = json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

@@ -66,11 +66,14 @@ class Batcher:
     async def _run(self) -> None:
         while self._queue:
             batch, self._queue = self._queue, []
-            closing = RegistryUnavailable("streamfence: the registry is closing")
-            replies: list[Any] = [closing] * len(batch)  # unless the round gets its replies
+            replies: list[Any] = []
             try:
                 replies = await send_round(self.client, [call for call, _ in batch], self.what)
             finally:
+                if not replies:  # cancelled: the registry is closing
+                    replies = [RegistryUnavailable("streamfence: the registry is closing")] * len(
+                        batch
+                    )
                 for (_, future), reply in zip(batch, replies, strict=True):
                     if future.done():
                         continue  # its caller was cancelled
