@@ -57,6 +57,13 @@ def test_a_reader_that_closes_the_pipe_ends_the_demo_quietly() -> None:
     assert err == ""  # no BrokenPipeError, no "Exception ignored"
 
 
+def _interruptible() -> None:
+    # Ctrl-C reaches a terminal's foreground job. A test run started in the background of a
+    # shell without job control (`cmd &` in a script, nohup) has SIGINT ignored, and
+    # children inherit that: the demo would rightly ignore it and run to its end (exit 0).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_the_demo_without_a_traceback() -> None:
     with subprocess.Popen(
         [*DEMO, "--pace", "0.2"],
@@ -64,6 +71,7 @@ def test_ctrl_c_stops_the_demo_without_a_traceback() -> None:
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
+        preexec_fn=_interruptible,  # noqa: PLW1509 - the child's own signal disposition
     ) as proc:
         assert proc.stdout is not None and proc.stderr is not None
         while "POST /v1/chat/completions" not in proc.stdout.readline():
