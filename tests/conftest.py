@@ -11,6 +11,7 @@ import pytest
 
 from proxy.app import Runtime, create_app
 from proxy.config import load
+from proxy.listen import Loop
 from tests.redis_server import (  # noqa: F401 - fixtures: a Redis server, or a cluster
     redis_server,
     restartable_redis,
@@ -31,6 +32,12 @@ def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: objec
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+# The loop `streamfence` itself runs on (uvloop, with proxy/listen.py's accept loop): the
+# suites of real clients and agents run on it, so that every connection they make goes
+# through that accept loop, as it does in production, and not only the CLI tests' ones.
+PROXY_LOOP = ("asyncio", {"loop_factory": Loop})
 
 
 EGRESS_ENV = [f"{n}_proxy" for n in ("http", "https", "all", "no")]

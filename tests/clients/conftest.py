@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
+from proxy.listen import Loop
 from tests.clients.node_worker import NODE_CLIENTS, NodeWorker, node_missing
 from tests.clients.pyclients import CLEANUP, PYTHON_CLIENTS, Call, Outcome
-from tests.conftest import Proxy, ProxyFactory
+from tests.conftest import PROXY_LOOP, Proxy, ProxyFactory
 from tests.upstream import ScriptedUpstream
 
 # Small, so that a stall is quick to reach; above the 50 ms between twins and the scripted
@@ -58,6 +59,7 @@ async def world(
     request: pytest.FixtureRequest, upstream: ScriptedUpstream, make_proxy: ProxyFactory
 ) -> AsyncIterator[World]:
     client: str = request.param
+    assert isinstance(asyncio.get_running_loop(), Loop)  # streamfence's own (anyio_backend)
     node = request.getfixturevalue("node_worker") if client in NODE_CLIENTS else None
     async with make_proxy(upstream.url, **{"upstream.healthy_within": HEALTHY_WITHIN}) as proxy:
         yield World(client, proxy, upstream, node)
@@ -66,3 +68,8 @@ async def world(
         await asyncio.wait_for(proxy.runtime.wait_idle(), 10)
     if client in CLEANUP:
         await CLEANUP[client]()
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, Any]]:
+    return PROXY_LOOP  # every connection through streamfence's own accept loop
