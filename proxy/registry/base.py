@@ -71,6 +71,11 @@ class Registry(ABC):
     async def claim(self, key: str) -> Lease:
         """Accept a new attempt for `key`, superseding the current holder if any."""
 
+    def claim_now(self, key: str) -> Lease | None:
+        """`claim`, in the caller's step, for a backend that needs no I/O for it; None
+        from one that does (the caller then awaits `claim`)."""
+        return None
+
     @abstractmethod
     async def release(self, lease: Lease) -> None:
         """The attempt ended. Removes the key only if `lease` still holds it."""

@@ -22,6 +22,9 @@ class MemoryRegistry(Registry):
         self._entries: dict[str, _Entry] = {}
 
     async def claim(self, key: str) -> Lease:
+        return self.claim_now(key)
+
+    def claim_now(self, key: str) -> Lease:
         entry = self._entries.get(key)
         if entry is None:
             lease = Lease(key, next(self._tokens), 1)
