@@ -65,6 +65,7 @@ def summarize(raw: Raw) -> dict[str, dict[str, dict[str, float]]]:
             for who in ("client", "upstream", "proxy"):
                 m[f"cpu {who} s"] = _median([r["cpu_s"][who] for r in rounds])
             m["run s"] = _median([r["run_s"] for r in rounds])
+            m["steal %"] = 100 * _median([r.get("steal", math.nan) for r in rounds])
             out[scenario][target] = m
         _relative(out[scenario])
     return out
@@ -145,17 +146,19 @@ def render(results: dict[str, Any]) -> str:
         lines.append(f"| {scenario} | {metric} | " + " | ".join(cells) + f" | {goal} |")
     lines += [
         "",
-        "CPU seconds per measurement (median of rounds) and its wall time:",
+        "CPU seconds per measurement (median of rounds), its wall time, and the share of the"
+        " machine's CPU time the hypervisor gave to other guests meanwhile (steal):",
         "",
-        "| scenario | target | client | upstream | proxy | wall |",
-        "|---|---|---|---|---|---|",
+        "| scenario | target | client | upstream | proxy | wall | steal |",
+        "|---|---|---|---|---|---|---|",
     ]
     for scenario, by_target in summary.items():
         for target, m in by_target.items():
             proxy = _cell(m, "cpu proxy s", "{:.2f}") or "-"
+            steal = _cell(m, "steal %", "{:.0f} %") or "-"
             lines.append(
                 f"| {scenario} | {target} | {m['cpu client s']:.2f} | {m['cpu upstream s']:.2f}"
-                f" | {proxy} | {m['run s']:.2f} |"
+                f" | {proxy} | {m['run s']:.2f} | {steal} |"
             )
     lines += ["", *results["notes"]]
     return "\n".join(lines)

@@ -120,6 +120,19 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / TICK
 
 
+def cpu_times() -> list[int]:
+    """The machine's CPU time so far, by kind (/proc/stat's `cpu` line, in ticks)."""
+    with open("/proc/stat") as stat:
+        return [int(v) for v in stat.readline().split()[1:9]]
+
+
+def steal_share(before: list[int], after: list[int]) -> float:
+    """The share of the machine's CPU time the hypervisor gave to others meanwhile
+    (`steal`, the 8th field): on a shared VM it varies run to run and every figure with it."""
+    delta = [b - a for a, b in zip(before, after, strict=True)]
+    return delta[7] / sum(delta) if sum(delta) else 0.0
+
+
 def status_kb(pid: int, key: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(key + ":"):
@@ -264,9 +277,11 @@ def measure(
         spec["load"] = {**spec["load"], "port": target.port, "tag": tag + "-load"}
     reset_peak_rss(target.pids)
     before = (cpu_seconds([upstream.pid]), cpu_seconds(target.pids))
+    machine = cpu_times()
     started = time.monotonic()
     result, client_cpu = run_client(spec)
     wall = time.monotonic() - started
+    result["steal"] = steal_share(machine, cpu_times())
     result["cpu_s"] = {
         "client": client_cpu,
         "upstream": cpu_seconds([upstream.pid]) - before[0],

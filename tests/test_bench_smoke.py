@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.run import steal_share
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -36,6 +38,15 @@ def test_every_scenario_completes(tmp_path: Path) -> None:
     assert fence["sent under load"] == fence["supersedes"]  # the load outlasted them
     assert fence["load completed"] == results["sizes"]["B5"]["load"]["n"]
     assert summary["B3"]["streamfence"]["peak RSS MB"] > 0
+    assert all(0 <= m["steal %"] <= 100 for m in summary["B3"].values())
+
+
+def test_steal_is_the_hypervisors_share_of_the_machines_time() -> None:
+    # /proc/stat's cpu line: user nice system idle iowait irq softirq steal
+    before = [100, 0, 50, 800, 0, 0, 0, 50]
+    after = [160, 0, 70, 880, 0, 0, 0, 90]  # 200 ticks passed, 40 of them stolen
+    assert steal_share(before, after) == 0.2
+    assert steal_share(before, before) == 0.0
 
 
 def test_websocket_benchmark_completes(tmp_path: Path) -> None:
