@@ -130,15 +130,6 @@ def test_text_values_with_spaces_are_quoted() -> None:
     assert 'path="/a b"' in line and "method=GET" in line
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/caf\u00e9", "/v1/x\udc80"])
-def test_a_request_line_is_one_json_object_whatever_its_path(path: str) -> None:
-    # orjson writes the line; what it cannot write (a lone surrogate: a path of bytes that
-    # are not UTF-8) goes to the json module, which escapes it.
-    record = logs.Record("POST", path, upstream="default", turn="0123456789abcdef")
-    entry = json.loads(logs.line(record))
-    assert entry["path"] == path and entry["msg"] == "request" and entry["turn"] == record.turn
-
-
 async def test_request_ids_are_passed_upstream_and_returned(
     upstream: ScriptedUpstream, make_proxy: ProxyFactory, log_lines: Lines
 ) -> None:
