@@ -103,6 +103,9 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        # Nothing more can arrive; the parser holds this protocol's callbacks, a cycle that
+        # only the garbage collector would free (one per closed connection, one per fence).
+        del self.parser
         if self._timer is not None:
             # close() will not run now (closed is set): a timer left armed would hold this
             # connection, its stored error and that error's frames (a whole request) until

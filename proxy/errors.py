@@ -24,6 +24,10 @@ one place, in the caller's dialect.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+E = TypeVar("E", bound=BaseException)
+
 
 class StreamfenceError(Exception):
     status: int = 500
@@ -157,3 +161,15 @@ def superseded_message(attempt: int, newer: int | None = None) -> str:
         f"streamfence: attempt {attempt} of this turn was superseded by {by} of the same "
         "turn, which is now the only one delivering the answer. Do not retry this request."
     )
+
+
+def kept(error: E) -> E:
+    """`error`, to be kept on an object that outlives the raise (a generation, a client),
+    without the tracebacks of its chain: their frames refer back to that object, a cycle that
+    only the garbage collector would free (docs/benchmarks.md, "Garbage"). What is logged of
+    an error is its type, message and cause (`proxy.causes`), never its frames."""
+    seen: BaseException | None = error
+    while seen is not None:
+        seen.__traceback__ = None
+        seen = seen.__cause__ or seen.__context__
+    return error

@@ -147,7 +147,7 @@ class Generation:
         self._reader_stopped = False
         self._expiry: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()  # kept: on 3.11 each call is a getpid()
-        self._task = self._loop.create_task(self._read())
+        self._task: asyncio.Task[None] | None = self._loop.create_task(self._read())
 
     # -- state --------------------------------------------------------------------------
     @property
@@ -236,6 +236,8 @@ class Generation:
         self.headers_ready.set()
         self._wake()
         self.finished.set()
+        # Not kept: a cancelled reader's exception holds its frames, and so this generation.
+        self._task = None
 
     async def _close_response(self) -> None:
         response, self.response = self.response, None
@@ -320,7 +322,7 @@ class Generation:
 
     def _stop_reader(self) -> None:
         """Cancel the reader, once: a second cancellation could interrupt its closing."""
-        if not self._reader_stopped:
+        if not self._reader_stopped and self._task is not None:
             self._reader_stopped = True
             self._task.cancel()
 
@@ -428,6 +430,8 @@ class Generation:
         self.events, self.size = [], 0
         if self.lease is not None and self._registry is not None:
             await self._registry.release(self.lease)
+        if self.lease is not None:
+            self.lease.forget()  # its callback refers back to this generation
 
     def _release_later(self) -> None:
         if self.done and not self._ended:

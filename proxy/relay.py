@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy import dialects
-from proxy.errors import StreamfenceError, Superseded, UpstreamError
+from proxy.errors import StreamfenceError, Superseded, UpstreamError, kept
 from proxy.generation import Generation, spawn
 from proxy.logs import Record
 from proxy.registry import Lease
@@ -209,6 +209,9 @@ class Subscriber:
                 await asyncio.shield(spawn(self.gen.detach(self)))
             finally:
                 self._finish()
+                # The write guard's callback and the bounded send refer back to this
+                # subscriber: a cycle that only the garbage collector would free.
+                self._guard = self._send = None
 
     async def _watch_disconnect(self, receive: Receive) -> None:
         try:
@@ -244,7 +247,9 @@ class Subscriber:
             if self._fencing:
                 await self._serve(send)
         except StreamfenceError as exc:
-            self.error = exc
+            # Often the generation's own error, raised again here: kept without its frames,
+            # which refer back to the generation and to this subscriber.
+            self.error = kept(exc)
         except asyncio.CancelledError:
             if self._raced or not self._absorbed():
                 raise

@@ -49,6 +49,11 @@ class Lease:
         else:
             self._callbacks.append(callback)
 
+    def forget(self) -> None:
+        """Drop the callbacks: their holder is done with this lease (and they refer back to
+        it, a cycle that only the garbage collector would free)."""
+        self._callbacks.clear()
+
     def __repr__(self) -> str:
         state = "superseded" if self.superseded else "current"
         return f"Lease(key={self.key[:12]}, token={self.token}, attempt={self.attempt}, {state})"
