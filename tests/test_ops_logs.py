@@ -5,6 +5,7 @@ traffic that must never reach a log."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import logging
 import os
@@ -128,6 +129,75 @@ def test_text_values_with_spaces_are_quoted() -> None:
     record = logs.Record(method="GET", path="/a b", upstream="u")
     line = logs.line(record, "text")
     assert 'path="/a b"' in line and "method=GET" in line
+
+
+class _Stream(io.StringIO):
+    """A log stream that counts its writes."""
+
+    writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        return super().write(text)
+
+
+@pytest.fixture
+def sink(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[logs.LineSink, _Stream]]:
+    """`logs.configure`'s handler and sink, writing to a test stream (`_alone` makes it the
+    process's only handler: pytest adds its own for each test's call)."""
+    stream = _Stream()
+    line_sink = logs.LineSink(logging.StreamHandler(stream))
+    monkeypatch.setattr(logs, "_sink", line_sink)
+    monkeypatch.setattr(logs.logger, "level", logging.INFO)
+    yield line_sink, stream
+    line_sink.flush()
+
+
+def _alone(sink: tuple[logs.LineSink, _Stream], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(logging.getLogger(), "handlers", [sink[0].handler])
+
+
+async def test_the_lines_of_requests_ending_in_one_loop_iteration_are_one_write(
+    sink: tuple[logs.LineSink, _Stream], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _alone(sink, monkeypatch)
+    _, stream = sink
+    for i in range(3):
+        logs.log_request(logs.Record("POST", f"/v1/{i}"), "json")
+    assert stream.writes == 0  # not yet: at the end of this iteration
+    loop = asyncio.get_running_loop()
+    next_iteration = loop.create_future()
+    loop.call_soon(next_iteration.set_result, None)
+    await next_iteration
+    assert stream.writes == 1
+    lines = stream.getvalue().splitlines()
+    assert [json.loads(text)["path"] for text in lines] == ["/v1/0", "/v1/1", "/v1/2"]
+
+
+def test_without_a_loop_a_line_is_written_at_once_and_flush_writes_what_waits(
+    sink: tuple[logs.LineSink, _Stream], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _alone(sink, monkeypatch)
+    line_sink, stream = sink
+    logs.log_request(logs.Record("GET", "/now"), "json")
+    assert json.loads(stream.getvalue())["path"] == "/now"
+    line_sink.lines.append("waiting")  # as if its iteration had not ended
+    logs.flush()  # what atexit calls
+    assert stream.getvalue().endswith("waiting\n")
+
+
+def test_with_another_handler_the_lines_go_through_logging(
+    sink: tuple[logs.LineSink, _Stream],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # caplog adds its own handler: a capture (or an application's handler) sees every line.
+    line_sink, stream = sink
+    monkeypatch.setattr(logging.getLogger(), "handlers", [line_sink.handler, caplog.handler])
+    with caplog.at_level(logging.INFO, "streamfence"):
+        logs.log_request(logs.Record("GET", "/captured"), "json")
+    assert stream.writes == 1  # through logging, to the process's handler as well
+    assert [json.loads(r.getMessage())["path"] for r in caplog.records] == ["/captured"]
 
 
 async def test_request_ids_are_passed_upstream_and_returned(
