@@ -166,10 +166,12 @@ def superseded_message(attempt: int, newer: int | None = None) -> str:
 def kept(error: E) -> E:
     """`error`, to be kept on an object that outlives the raise (a generation, a client),
     without the tracebacks of its chain: their frames refer back to that object, a cycle that
-    only the garbage collector would free (docs/benchmarks.md, "Garbage"). What is logged of
-    an error is its type, message and cause (`proxy.causes`), never its frames."""
-    seen: BaseException | None = error
-    while seen is not None:
-        seen.__traceback__ = None
-        seen = seen.__cause__ or seen.__context__
+    only the garbage collector would free (docs/benchmarks.md, "the host, and garbage"). What
+    is logged of an error is its type, message and cause (`proxy.causes`), never its frames."""
+    current: BaseException | None = error
+    seen: set[int] = set()
+    while current is not None and id(current) not in seen:  # a chain set by hand may loop
+        seen.add(id(current))
+        current.__traceback__ = None
+        current = current.__cause__ or current.__context__
     return error

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import AsyncExitStack, contextmanager
 
 from proxy import generation
+from proxy.errors import UpstreamError, kept
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import chat_body, events, open_stream
 from tests.upstream import ScriptedUpstream, free_port
@@ -113,3 +114,24 @@ async def test_an_upstream_that_fails_mid_stream_or_cannot_be_reached(
             await _settled(nowhere)
             await _settled(proxy)
     assert found == Counter()
+
+
+def test_a_kept_error_has_no_frames_along_its_chain_and_a_looped_chain_ends() -> None:
+    def fail() -> None:
+        try:
+            raise OSError("refused")
+        except OSError as exc:
+            raise UpstreamError("streamfence: the upstream is unreachable") from exc
+
+    try:
+        fail()
+    except UpstreamError as exc:
+        error = exc
+    assert error.__traceback__ is not None and error.__cause__ is not None
+    assert kept(error) is error
+    assert error.__traceback__ is None and error.__cause__.__traceback__ is None
+    assert str(error.__cause__) == "refused"  # what the log's cause is made of stays
+    looped = ValueError("a")
+    looped.__cause__ = ValueError("b")
+    looped.__cause__.__cause__ = looped
+    assert kept(looped) is looped
