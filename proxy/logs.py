@@ -144,10 +144,10 @@ class LineSink:
 
     def write(self, text: str) -> None:
         self.lines.append(text)
-        if self._scheduled:
-            return
         loop = self._loop
-        if loop is None or loop.is_closed():
+        if self._scheduled and loop is not None and not loop.is_closed():
+            return  # its flush comes at the end of this iteration
+        if loop is None or loop.is_closed():  # (a flush a closed loop never ran: the lines wait)
             try:  # kept: looking the loop up is a getpid() system call on Python 3.11
                 loop = self._loop = asyncio.get_running_loop()
             except RuntimeError:  # no loop: nothing to batch with

@@ -349,3 +349,21 @@ def test_uvicorns_error_line_for_a_refused_upgrade_is_dropped() -> None:
 
     assert not logs._refused_upgrade(record("ASGI callable returned without completing handshake."))
     assert logs._refused_upgrade(record("Exception in ASGI application"))
+
+
+def test_lines_left_by_a_loop_that_closed_before_its_flush_go_out_with_the_next(
+    sink: tuple[logs.LineSink, _Stream], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _alone(sink, monkeypatch)
+    line_sink, stream = sink
+    closed = asyncio.new_event_loop()
+    closed.close()
+    # As a loop leaves it that closed with its flush still scheduled:
+    line_sink.lines, line_sink._loop, line_sink._scheduled = ["left"], closed, True
+
+    async def log() -> None:
+        logs.log_request(logs.Record("GET", "/next"), "json")
+
+    asyncio.run(log())
+    written = stream.getvalue().splitlines()
+    assert written[0] == "left" and json.loads(written[1])["path"] == "/next"
