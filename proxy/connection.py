@@ -314,6 +314,11 @@ class Body(httpx.AsyncByteStream):
                 conn.waiter = None
         return chunk
 
+    def at_end(self) -> bool:
+        """The whole body is in and has been read: the next read returns b"" at once."""
+        conn = self.conn
+        return conn.complete and not conn.buffer and conn.error is None
+
     async def aclose(self) -> None:
         if not self.done:
             self.done = True

@@ -46,7 +46,7 @@ class Watcher(Protocol):
 
     def superseded(self) -> None: ...
 
-    async def write_inline(self, events: list[bytes]) -> None: ...
+    async def write_inline(self, events: list[bytes], last: bool = False) -> None: ...
 
 
 @dataclass(slots=True)
@@ -208,7 +208,7 @@ class Generation:
             self.headers_ready.set()
             if self.is_sse:
                 self.completed = await upstream.read_events(
-                    self.response, ask.upstream, ask.max_event_bytes, self._take
+                    self.response, ask.upstream, ask.max_event_bytes, self._take_events
                 )
             else:  # the body's own failures are ours already (upstream.UpstreamClient)
                 async for chunk in self.response.aiter_raw():
@@ -249,7 +249,10 @@ class Generation:
         if self.closed_at is None:
             self.closed_at = time.perf_counter()
 
-    async def _take(self, events: list[bytes], stamp: bool = True) -> bool:
+    async def _take_events(self, events: list[bytes], last: bool) -> bool:
+        return await self._take(events, last=last)
+
+    async def _take(self, events: list[bytes], stamp: bool = True, last: bool = False) -> bool:
         if stamp and self.ask.stamp_ids:
             first = self.last_id + 1
             events = [with_id(e, self.event_id(first + i)) for i, e in enumerate(events)]
@@ -268,7 +271,7 @@ class Generation:
             # The one client, caught up and waiting: write for it here, as a plain relay
             # would, instead of waking its task for every event (most generations have one
             # client, and the task switch cost a fifth of the proxy's CPU per event).
-            await sole.write_inline(events)
+            await sole.write_inline(events, last)
         elif self._waiting:
             self._wake()
         if self.followable and (self.size > self.ask.buffer_bytes or budget.used > budget.total):

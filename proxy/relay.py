@@ -34,6 +34,9 @@ Send = Callable[[Message], Awaitable[None]]
 Receive = Callable[[], Awaitable[Message]]
 
 SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+# The largest last write that also ends the response: under the transport's high-water mark
+# (uvicorn's and uvloop's 64 KiB), so that it cannot leave the transport paused unseen.
+END_WITH_LAST_MAX = 16 * 1024
 # Ending causes set by a cancellation, and the outcome each one is recorded as.
 SUPERSEDED, SHUTDOWN, CLIENT_GONE, WRITE_TIMEOUT = "superseded", "shutdown", "gone", "timeout"
 # What a cancellation interrupts: the fence only the serving of events (the client then gets
@@ -127,6 +130,7 @@ class Subscriber:
         self.headers_sent = False
         self.delivered = False  # the whole answer (or its terminator) was written
         self.done = False  # the response is complete: a disconnect now is no client leaving
+        self.ended = False  # its body was ended with the stream's last events
         self.last_event: bytes | None = None
         self._task: asyncio.Task[Any] | None = None  # the response's task, once it runs
         self._cancels = 0  # cancellations of that task requested by _stop
@@ -190,7 +194,7 @@ class Subscriber:
         try:
             send = self._send = self._bounded(send)
             await self._run(send)
-            if self.headers_sent:
+            if self.headers_sent and not self.ended:
                 # Inside the race: a client that never takes this last write is dropped
                 # by the write timeout like any other.
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -306,24 +310,27 @@ class Subscriber:
                 finally:
                     self.parked = False
                 continue
-            if not await self._deliver(send, events):
+            # With the whole answer in (completed), these are the stream's last events.
+            if not await self._deliver(send, events, gen.completed):
                 return False
+            if self.ended:
+                return True
 
-    async def write_inline(self, events: list[bytes]) -> None:
+    async def write_inline(self, events: list[bytes], last: bool = False) -> None:
         """The generation's reader writes the events this parked client is waiting for.
         Whatever goes wrong is left for this client's own task to see: it is still parked,
         and the generation wakes it at its end."""
         assert self._send is not None
         self._inline = True
         try:
-            await self._deliver(self._send, events)
+            await self._deliver(self._send, events, last)
         finally:
             self._inline = False
             if self._inline_over is not None:
                 self._inline_over.set_result(None)
                 self._inline_over = None
 
-    async def _deliver(self, send: Send, events: list[bytes]) -> bool:
+    async def _deliver(self, send: Send, events: list[bytes], last: bool = False) -> bool:
         """The fence check, then the write; False when fenced (the events are dropped).
 
         Nothing awaits between the check and the write: a subscriber woken by the reader
@@ -335,7 +342,14 @@ class Subscriber:
             record.dropped += len(events)
             return False
         body = events[0] if len(events) == 1 else b"".join(events)
-        await send({"type": "http.response.body", "body": body, "more_body": True})
+        # The stream's last events, its body all in (`last`): the response ends with them, in
+        # one write (the chunked terminator rides along) instead of one more a step later.
+        # Not a large one: a client that stops reading must still meet the write timeout on
+        # the end-of-body write, not leave a megabyte in the transport as a finished answer.
+        end = last and len(body) <= END_WITH_LAST_MAX
+        await send({"type": "http.response.body", "body": body, "more_body": not end})
+        if end:
+            self.delivered = self.done = self.ended = True
         self.cursor += len(events)
         record.bytes_out += len(body)
         if gen.is_sse:

@@ -81,6 +81,11 @@ class SSESplitter:
             self._too_big()
         return self._validated(events)
 
+    @property
+    def holding(self) -> bool:
+        """Part of an unfinished event is held (what `flush` would complete)."""
+        return self._size > 0
+
     def flush(self) -> list[bytes]:
         """At end of stream: an unterminated last event is completed, not lost."""
         rest = b"".join((self._buf, *self._more))

@@ -261,9 +261,12 @@ def is_event_stream_type(content_type: str) -> bool:
     return content_type.lower().startswith("text/event-stream")
 
 
-def _event_reader(response: httpx.Response) -> tuple[Callable[[], Awaitable[bytes]], str]:
-    """How an SSE body is read as it arrives, and the upstream's address for its errors.
-    An encoded one must be decoded for its events to be found; it then goes out plain."""
+def _event_reader(
+    response: httpx.Response,
+) -> tuple[Callable[[], Awaitable[bytes]], Callable[[], bool], str]:
+    """How an SSE body is read as it arrives, whether it is known to be read to its end,
+    and the upstream's address for its errors. An encoded one must be decoded for its
+    events to be found; it then goes out plain."""
     encoded = "content-encoding" in response.headers
     own = None if encoded else _own_body(response)
     if own is not None:
@@ -271,37 +274,40 @@ def _event_reader(response: httpx.Response) -> tuple[Callable[[], Awaitable[byte
         # (httpx's, _TranslatedBody's, its own): a relayed event is one read. Its errors are
         # translated once, around the caller's loop.
         body, address = own
-        return body.read, address
+        return body.read, body.at_end, address
     chunks = aiter(response.aiter_bytes() if encoded else response.aiter_raw())
 
     async def read() -> bytes:
         return await anext(chunks, b"")
 
-    return read, ""
+    return read, lambda: False, ""
 
 
 async def read_events(
     response: httpx.Response,
     name: str,
     max_event_bytes: int,
-    deliver: Callable[[list[bytes]], Awaitable[bool]],
+    deliver: Callable[[list[bytes], bool], Awaitable[bool]],
 ) -> bool:
-    """Hands each read's complete events to `deliver`, an unterminated last one at the end.
+    """Hands each read's complete events to `deliver`, an unterminated last one at the end;
+    its flag says the batch is the stream's last and its body is all in (so that a client's
+    response can end with it, in one write).
 
     False as soon as `deliver` refuses a batch (the relay, fenced); True at the stream's
     end. A malformed stream raises MalformedStream once the good events before it are
     delivered, and a broken exchange raises as ours (translate_errors)."""
     splitter = SSESplitter(max_event_bytes)
-    read, address = _event_reader(response)
+    read, at_end, address = _event_reader(response)
     with translate_errors(name, address):
         while chunk := await read():
             events = splitter.feed(chunk)
-            if events and not await deliver(events):
+            last = at_end() and not splitter.holding and splitter.error is None
+            if events and not await deliver(events, last):
                 return False
             if splitter.error is not None:
                 raise splitter.error
     tail = splitter.flush()
-    if tail and not await deliver(tail):
+    if tail and not await deliver(tail, False):
         return False
     if splitter.error is not None:
         raise splitter.error

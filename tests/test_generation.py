@@ -335,3 +335,75 @@ async def test_the_last_client_leaving_closes_the_upstream_and_releases_the_leas
     task_b.cancel()
     await asyncio.gather(task_b, return_exceptions=True)
     assert feed.closed.is_set() and registry.live_keys() == 0
+
+
+class _Ending(Client):
+    """A client that records whether each body message ended the response."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ends: list[bool] = []
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            self.ends.append(not message.get("more_body", False))
+        await super().send(message)
+
+
+async def test_a_client_that_finds_the_whole_answer_in_ends_with_it_in_one_write() -> None:
+    # The answer and its end are all in before the client writes anything: it writes them
+    # and the end of the response as one message (one write), not an empty one after.
+    feed = Feed()
+    gen = _generation(feed)
+    holder = Client(block_after=0)  # keeps the generation, and its buffer, while it runs
+    _, holding, _ = _subscribe(gen, holder)
+    for chunk in (b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n", b""):
+        feed.queue.put_nowait(chunk)
+    await asyncio.wait_for(gen.finished.wait(), 5)
+    client = _Ending()
+    _, task, finished = _subscribe(gen, client)  # a follower of the finished generation
+    await asyncio.wait_for(task, 5)
+    assert client.bodies == [b"data: one\n\ndata: two\n\ndata: [DONE]\n\n"]
+    assert client.ends == [True]
+    assert finished[0].outcome == "completed"
+    holding.cancel()
+    await asyncio.gather(holding, return_exceptions=True)
+
+
+async def test_the_reader_ends_its_clients_response_with_the_last_read() -> None:
+    # Over the real transport: the upstream's last write holds the last event and the end of
+    # its chunked body, so the reader, writing for its caught-up client, ends the response.
+    last_part = asyncio.Event()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(len(b'{"stream":true}'))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n" + _chunked(b"data: one\n\n")
+        )
+        await last_part.wait()
+        writer.write(_chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    transport = FastTransport()
+    try:
+        gen = _generation(over=transport, url=f"http://127.0.0.1:{port}")
+        client = _Ending()
+        _, task, finished = _subscribe(gen, client)
+        await client.wait_bodies(1)
+        last_part.set()
+        await asyncio.wait_for(task, 5)
+    finally:
+        server.close()
+        await transport.aclose()
+    assert client.bodies == [b"data: one\n\n", b"data: [DONE]\n\n"]
+    assert client.ends == [False, True]
+    assert finished[0].outcome == "completed"
+
+
+def _chunked(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
