@@ -208,7 +208,7 @@ class Generation:
             self.headers_ready.set()
             if self.is_sse:
                 self.completed = await upstream.read_events(
-                    self.response, ask.upstream, ask.max_event_bytes, self._take_events
+                    self.response, ask.upstream, ask.max_event_bytes, self._take
                 )
             else:  # the body's own failures are ours already (upstream.UpstreamClient)
                 async for chunk in self.response.aiter_raw():
@@ -249,10 +249,7 @@ class Generation:
         if self.closed_at is None:
             self.closed_at = time.perf_counter()
 
-    async def _take_events(self, events: list[bytes], last: bool) -> bool:
-        return await self._take(events, last=last)
-
-    async def _take(self, events: list[bytes], stamp: bool = True, last: bool = False) -> bool:
+    async def _take(self, events: list[bytes], last: bool = False, *, stamp: bool = True) -> bool:
         if stamp and self.ask.stamp_ids:
             first = self.last_id + 1
             events = [with_id(e, self.event_id(first + i)) for i, e in enumerate(events)]

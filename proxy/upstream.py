@@ -301,9 +301,10 @@ async def read_events(
     with translate_errors(name, address):
         while chunk := await read():
             events = splitter.feed(chunk)
-            last = at_end() and not splitter.holding and splitter.error is None
-            if events and not await deliver(events, last):
-                return False
+            if events:
+                last = at_end() and not splitter.holding and splitter.error is None
+                if not await deliver(events, last):
+                    return False
             if splitter.error is not None:
                 raise splitter.error
     tail = splitter.flush()
