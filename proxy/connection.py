@@ -2,13 +2,15 @@
 httptools (C) parses responses for, and the body stream that reads from it.
 
 The body of one socket read is handed to the reader as one chunk, and a read costs one
-future at most. Closing a body before its end closes the connection at once (never
+future at most. A body that comes in many small reads back to back is read in batches
+(proxy/pacing.py). Closing a body before its end closes the connection at once (never
 drains); a finished keep-alive one goes back to its pool (`Pool.release`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, cast
 
@@ -16,6 +18,7 @@ import httptools
 import httpx
 
 from proxy.egress import ProxyURL
+from proxy.pacing import PAUSE, ReadPacer
 
 HIGH_WATER = 256 * 1024  # buffered, unread body bytes before reading from the socket pauses
 # A server's Keep-Alive hint is trusted this much: expire a second early, and never pool
@@ -55,6 +58,7 @@ class Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0
         self._watched: asyncio.Future[None] | None = None
+        self._pausing: asyncio.TimerHandle | None = None
         self._reset(head=False)
 
     def _reset(self, head: bool) -> None:
@@ -73,6 +77,7 @@ class Connection(asyncio.Protocol):
         self.waiter: asyncio.Future[None] | None = None
         self.reading_paused = False
         self.received = False  # any byte of this response: it may not be sent again
+        self.pacer = ReadPacer()
 
     # -- asyncio.Protocol ------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -100,18 +105,32 @@ class Connection(asyncio.Protocol):
                 self.reading_paused = True
                 self.transport.pause_reading()
             self._wake()
+        if not self.complete and self.pacer.pause_after(len(data), time.monotonic()):
+            self._pause_briefly()
+
+    def _pause_briefly(self) -> None:
+        """Out of the poll for PAUSE, so the writes back to back gather (proxy/pacing.py).
+        No read comes during a pause: one is never started twice."""
+        assert self.transport is not None
+        if not self.reading_paused:
+            self.transport.pause_reading()
+        self._pausing = self.loop.call_later(PAUSE, self._paused)
+
+    def _paused(self) -> None:
+        self._pausing = None
+        self.pacer.resumed(time.monotonic())
+        if not self.reading_paused and not self.closed and self.transport is not None:
+            self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         # Nothing more can arrive; the parser holds this protocol's callbacks, a cycle that
         # only the garbage collector would free (one per closed connection, one per fence).
         del self.parser
-        if self._timer is not None:
-            # close() will not run now (closed is set): a timer left armed would hold this
-            # connection, its stored error and that error's frames (a whole request) until
-            # the idle timeout, minutes later. Found by the soak test.
-            self._timer.cancel()
-            self._timer = None
+        # close() will not run now (closed is set): a timer left armed would hold this
+        # connection, its stored error and that error's frames (a whole request) until the
+        # idle timeout, minutes later. Found by the soak test.
+        self._stop_timers()
         self.pool.forget(self)
         if self._write_ready is not None and not self._write_ready.done():
             self._write_ready.set_exception(httpx.WriteError("upstream closed the connection"))
@@ -269,7 +288,8 @@ class Connection(asyncio.Protocol):
             self.buffered = 0
             if self.reading_paused and self.transport is not None:
                 self.reading_paused = False
-                self.transport.resume_reading()
+                if self._pausing is None:
+                    self.transport.resume_reading()
             return chunk
         if self.error is not None:
             raise self.error
@@ -277,12 +297,16 @@ class Connection(asyncio.Protocol):
             return b""
         return None
 
+    def _stop_timers(self) -> None:
+        for timer in (self._timer, self._pausing):
+            if timer is not None:
+                timer.cancel()
+        self._timer = self._pausing = None
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+            self._stop_timers()
             if self.transport is not None:
                 self.transport.close()
             self.pool.forget(self)

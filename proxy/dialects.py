@@ -40,6 +40,8 @@ _TERMINAL_TYPES: Final = {
     ANTHROPIC: ("message_stop",),
 }
 _TERMINAL_MARKS: Final = {d: tuple(t.encode() for t in ts) for d, ts in _TERMINAL_TYPES.items()}
+# What a terminal event contains, for a first test on a whole batch of them.
+_BATCH_MARKS: Final = {OPENAI_CHAT: (b"[DONE]",), **_TERMINAL_MARKS}
 
 
 def detect(path: str, configured: str = "auto") -> str:
@@ -73,6 +75,18 @@ def is_terminal(dialect: str, event: bytes) -> bool:
     if parse_fields(event).get("event") in types:
         return True
     return _last_json(event).get("type") in types
+
+
+def ends_in(dialect: str, events: list[bytes], body: bytes) -> bool:
+    """One of `events` (`body`, their bytes together) is its stream's last one.
+
+    One substring test on the whole batch first: a relayed batch of many events is then not
+    a Python call per event (at a fast stream's batches of a thousand, that was a third of
+    the proxy's time); only a batch that passes it is looked at event by event."""
+    marks = _BATCH_MARKS.get(dialect)
+    if marks is None or not any(mark in body for mark in marks):
+        return False
+    return any(is_terminal(dialect, event) for event in events)
 
 
 def _dumps(obj: Any) -> str:

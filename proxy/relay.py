@@ -355,17 +355,11 @@ class Subscriber:
         if gen.is_sse:
             record.events += len(events)
             self.last_event = events[-1]
-            if not self.delivered and self._ends(events):
+            if not self.delivered and dialects.ends_in(self.ex.dialect, events, body):
                 self.delivered = True  # whatever the client does now, it has the answer
         if not gen.followable:
             gen.progress()
         return True
-
-    def _ends(self, events: list[bytes]) -> bool:
-        dialect = self.ex.dialect
-        if len(events) == 1:
-            return dialects.is_terminal(dialect, events[0])
-        return any(dialects.is_terminal(dialect, e) for e in events)
 
     async def _start(self, send: Send, *, reframed: bool) -> None:
         headers = response_headers(self.gen.raw_headers, reframed=reframed)

@@ -345,3 +345,32 @@ def test_the_last_event_of_a_stream_is_told_whatever_the_servers_layout(
     dialect: str, event: bytes, last: bool
 ) -> None:
     assert dialects.is_terminal(dialect, event) is last
+
+
+DELTA = b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
+
+
+@pytest.mark.parametrize(
+    ("dialect", "events", "last"),
+    [
+        (dialects.OPENAI_CHAT, [DELTA, b"data: [DONE]\n\n", b": keep-alive\n\n"], True),
+        (dialects.OPENAI_CHAT, [DELTA, b'data: {"delta":"[DONE]"}\n\n', DELTA], False),
+        (dialects.OPENAI_CHAT, [DELTA] * 3, False),
+        (
+            dialects.ANTHROPIC,
+            [b"event: ping\ndata: {}\n\n", b'event: message_stop\ndata: {"type":"x"}\n\n'],
+            True,
+        ),
+        (
+            dialects.OPENAI_RESPONSES,
+            [b'data: {"delta":"response.completed"}\n\n', b'data: {"type":"response.done"}\n\n'],
+            False,
+        ),
+        (dialects.SSE, [b"data: [DONE]\n\n"] * 2, False),
+    ],
+)
+def test_a_batch_ends_its_stream_when_any_of_its_events_does(
+    dialect: str, events: list[bytes], last: bool
+) -> None:
+    assert dialects.ends_in(dialect, events, b"".join(events)) is last
+    assert last is any(dialects.is_terminal(dialect, e) for e in events)

@@ -10,6 +10,7 @@ import asyncio
 import socket
 import ssl
 import struct
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -17,10 +18,13 @@ import httpx
 import pytest
 import trustme
 
+from proxy import connection, pacing
 from proxy.config import load
+from proxy.connection import Body
 from proxy.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
 from proxy.transport import Transport
 from proxy.upstream import create_client, translate_errors
+from tests.conftest import PROXY_LOOP
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 GUARD = 5.0  # seconds: a hang fails the test instead of the run
@@ -404,3 +408,155 @@ async def test_the_default_transport_is_the_fast_one() -> None:
         assert isinstance(client.transport, Transport)
     finally:
         await client.aclose()
+
+
+async def pieces_back_to_back(
+    server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter, count: int | None
+) -> None:
+    """A chunked SSE body of `count` events (None: until the client leaves), each its own
+    write, one per loop iteration: a reader that keeps up reads them one by one."""
+    await server.read_request(r)
+    eof = asyncio.create_task(server.wait_eof(r))
+    w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+    i = 0
+    while (count is None or i < count) and not (eof.done() or w.is_closing()):
+        piece = b"data: %d\n\n" % i
+        w.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        await asyncio.sleep(0)
+        i += 1
+    if not w.is_closing():
+        w.write(b"0\r\n\r\n")
+    await eof
+
+
+@pytest.fixture
+def paced_whatever_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every small read counts as back to back however slow a loaded machine makes the loop,
+    # and a pause is long enough to gather many writes: what the tests see is the mechanism,
+    # not the host's speed. bench B2 measures the shipped values.
+    monkeypatch.setattr(pacing, "HOT_GAP", 60.0)
+    monkeypatch.setattr(connection, "PAUSE", 0.02)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", PROXY_LOOP], ids=["asyncio", "uvloop"])
+@pytest.mark.usefixtures("paced_whatever_the_load")
+async def test_a_body_written_in_small_pieces_back_to_back_is_read_whole_in_batches() -> None:
+    count = 600
+
+    async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await pieces_back_to_back(server, r, w, count)
+
+    async with serve(handler) as server, client(Transport()) as c:
+        async with c.stream("GET", server.url) as r:
+            reads = [chunk async for chunk in r.aiter_raw()]
+    assert b"".join(reads) == b"".join(b"data: %d\n\n" % i for i in range(count))
+    # read as they came, that is a read or two per piece
+    assert len(reads) < count / 10
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", PROXY_LOOP], ids=["asyncio", "uvloop"])
+@pytest.mark.usefixtures("paced_whatever_the_load")
+async def test_a_response_closed_while_reading_pauses_closes_at_once_and_is_not_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(connection, "PAUSE", 60.0)  # a pause the test would wait out
+
+    async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await pieces_back_to_back(server, r, w, None)
+
+    transport = Transport()
+    async with serve(handler) as server:
+        response = await transport.handle_async_request(httpx.Request("GET", server.url))
+        body = response.stream
+        assert isinstance(body, Body)
+        for _ in range(1000):  # small reads until one pauses reading
+            if body.conn._pausing is not None:
+                break
+            assert await asyncio.wait_for(body.read(), GUARD)
+        assert body.conn._pausing is not None, "no pause in 1,000 small reads back to back"
+        conn = weakref.ref(body.conn)
+        await response.aclose()
+        del response, body
+        await asyncio.wait_for(server.saw_eof.wait(), GUARD)
+        # Nothing (the pause's timer above all) holds the closed connection.
+        assert conn() is None
+        assert transport.in_use() == 0
+
+
+class FakeTransport:
+    """Only what a Connection does to its socket's reading."""
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.changes = 0
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        assert not self.paused, "paused twice"
+        self.paused = True
+        self.changes += 1
+
+    def resume_reading(self) -> None:
+        assert self.paused, "resumed while reading"
+        self.paused = False
+        self.changes += 1
+
+    def close(self) -> None:
+        pass
+
+
+class NoPool:
+    expiry = 4.0
+
+    def forget(self, conn: connection.Connection) -> None:
+        pass
+
+    def release(self, conn: connection.Connection) -> None:
+        pass
+
+
+async def test_reading_resumes_only_once_both_the_pause_and_the_full_buffer_are_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(pacing, "HOT_GAP", 60.0)
+    resumed = asyncio.Event()
+    over = connection.Connection._paused
+
+    def paused(self: connection.Connection) -> None:
+        over(self)
+        resumed.set()
+
+    monkeypatch.setattr(connection.Connection, "_paused", paused)
+    sock = FakeTransport()
+    conn = connection.Connection(NoPool(), ("http", "127.0.0.1", 1))
+    conn.connection_made(sock)  # type: ignore[arg-type]
+    await conn.send(httpx.Request("GET", "http://127.0.0.1:1/"), {})
+    conn.data_received(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+    piece = b"x" * (pacing.SMALL_READ - 100)
+
+    async def small_reads_nobody_takes() -> None:
+        """Reads back to back, as the socket gives them (none during a pause), until the
+        buffer passes its high-water mark; that last read also starts a pause."""
+        while conn.buffered <= connection.HIGH_WATER:
+            if conn._pausing is not None:
+                resumed.clear()
+                await asyncio.wait_for(resumed.wait(), GUARD)
+            assert not sock.paused
+            conn.data_received(b"%x\r\n%s\r\n" % (len(piece), piece))
+        assert sock.paused and conn.reading_paused and conn._pausing is not None
+        resumed.clear()
+
+    await small_reads_nobody_takes()
+    assert conn.take() is not None
+    assert sock.paused, "taking the buffer resumed reading in the middle of a pause"
+    await asyncio.wait_for(resumed.wait(), GUARD)
+    assert not sock.paused
+
+    await small_reads_nobody_takes()
+    await asyncio.wait_for(resumed.wait(), GUARD)
+    assert sock.paused, "the pause's end resumed reading with the buffer over its mark"
+    assert conn.take() is not None
+    assert not sock.paused
+    conn.close()
