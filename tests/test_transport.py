@@ -438,16 +438,25 @@ def paced_whatever_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(connection, "PAUSE", 0.02)
 
 
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
 @pytest.mark.parametrize("anyio_backend", ["asyncio", PROXY_LOOP], ids=["asyncio", "uvloop"])
 @pytest.mark.usefixtures("paced_whatever_the_load")
-async def test_a_body_written_in_small_pieces_back_to_back_is_read_whole_in_batches() -> None:
+async def test_a_body_written_in_small_pieces_back_to_back_is_read_whole_in_batches(
+    tls: bool, ca: trustme.CA
+) -> None:
     count = 600
+    server_ctx = client_ctx = None
+    if tls:  # the pause is the TLS transport's, over its socket's
+        server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+        client_ctx = ssl.create_default_context()
+        ca.configure_trust(client_ctx)
 
     async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         await pieces_back_to_back(server, r, w, count)
 
-    async with serve(handler) as server, client(Transport()) as c:
-        async with c.stream("GET", server.url) as r:
+    async with serve(handler, tls=server_ctx) as server:
+        async with client(Transport(ssl_context=client_ctx)) as c, c.stream("GET", server.url) as r:
             reads = [chunk async for chunk in r.aiter_raw()]
     assert b"".join(reads) == b"".join(b"data: %d\n\n" % i for i in range(count))
     # read as they came, that is a read or two per piece
