@@ -22,8 +22,8 @@ from typing import Final
 HOT_GAP: Final = 1e-3  # seconds: a read this soon after the one before is back to back
 HOT_READS: Final = 4  # such small reads in a row before reading pauses
 SMALL_READ: Final = 16 * 1024  # bytes: a read this big is a batch already
-# How long reading pauses, so the most an event of a paced body waits. libuv's timers count
-# whole milliseconds: anything less would be no pause at all on uvloop.
+# How long reading pauses, so about the most an event of a paced body waits. libuv's timers
+# count whole milliseconds, and uvloop rounds a delay to them: under half of one is no pause.
 PAUSE: Final = 1e-3
 
 
