@@ -23,9 +23,9 @@ function encoder(encoding) {
   return null;
 }
 
-function events() {
+function events(count) {
   const out = [];
-  for (let i = 0; i < 3; i++) {
+  for (let i = 0; i < count; i++) {
     const chunk = { object: "chat.completion.chunk", choices: [{ index: 0, delta: { content: `n${i} ` } }] };
     out.push(`data: ${JSON.stringify(chunk)}\n\n`);
   }
@@ -41,7 +41,8 @@ function stream(req, res) {
   const z = encoder(encoding);
   const sink = z || res;
   if (z) z.pipe(res);
-  const all = events();
+  // x-events: how many token events (3 unless asked), each written and flushed on its own
+  const all = events(Number(req.headers["x-events"] || 3));
   let i = 0;
   const next = () => {
     if (i === all.length) return sink.end();

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from proxy import connection
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import chat_body
 from tests.upstream import free_port
@@ -92,6 +93,42 @@ async def test_node_event_stream_in_any_coding_goes_out_plain(
     assert body.count(b"data: ") == 4 and body.endswith(b"data: [DONE]\n\n")
     assert seen[0]["headers"]["accept-encoding"] == offered  # all of them decodable
     assert seen[0]["encoding"] == chosen  # and Node compressed with what it chose
+
+
+@pytest.mark.parametrize("offered", ["gzip", "identity"])
+async def test_a_long_node_stream_written_event_by_event_arrives_whole_read_in_batches(
+    make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch, offered: str
+) -> None:
+    # Node writes (and, compressed, flushes) each event on its own, a loop turn apart: the
+    # proxy reads such a body in batches (proxy/pacing.py), and every event must come out
+    # once, in order, whatever Node's framing of its chunks.
+    pauses = 0
+    pause = connection.Connection._pause_briefly
+
+    def counted(self: connection.Connection) -> None:
+        nonlocal pauses
+        pauses += 1
+        pause(self)
+
+    monkeypatch.setattr(connection.Connection, "_pause_briefly", counted)
+    count = 2000
+    async with node_upstream() as url, make_proxy(url) as p:
+        r, body = await sse_via(
+            p,
+            "POST",
+            CHAT,
+            json=chat_body(),
+            headers={"Accept-Encoding": offered, "X-Events": str(count)},
+        )
+    assert_plain_event_stream(r)
+    contents = [
+        json.loads(line[6:])["choices"][0]["delta"]["content"]
+        for line in body.split(b"\n\n")
+        if line.startswith(b"data: {")
+    ]
+    assert contents == [f"n{i} " for i in range(count)]
+    assert body.endswith(b"data: [DONE]\n\n")
+    assert pauses > 0  # it was read in batches, and resumed after each
 
 
 async def test_node_keep_alive_connection_is_reused_and_its_headers_stay_hop_by_hop(
