@@ -105,9 +105,15 @@ def line(record: Record, fmt: str = "json") -> str:
     return _render("request", data, fmt)
 
 
+_second: list[Any] = [None, ""]  # the last whole second formatted, and its text
+
+
 def rfc3339(ts: float) -> str:
     """UTC, milliseconds: 2026-12-01T08:10:30.123Z."""
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+    second = int(ts // 1)  # as gmtime rounds: down
+    if _second[0] != second:  # strftime once a second, not once a line
+        _second[:] = [second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))]
+    return f"{_second[1]}.{int(ts % 1 * 1000):03d}Z"
 
 
 def _render(msg: str, data: dict[str, object], fmt: str) -> str:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Mapping
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -63,6 +64,7 @@ _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
@@ -163,24 +165,34 @@ class Metrics:
         )
 
     def observe(self, record: Record, error_kind: str | None = None) -> None:
-        up = record.upstream
-        self.requests.labels(up, record.dialect, record.outcome).inc()
+        up, child = record.upstream, self._child
+        child(self.requests, up, record.dialect, record.outcome).inc()
         if record.events:
-            self.events.labels(up).inc(record.events)
+            child(self.events, up).inc(record.events)
         if record.dropped:
-            self.dropped.labels(up).inc(record.dropped)
+            child(self.dropped, up).inc(record.dropped)
         if record.fenced_generation:
-            self.supersedes.labels(up).inc()
+            child(self.supersedes, up).inc()
         if record.fence_latency is not None:
             self.fence_latency.observe(record.fence_latency)
         if record.added_ttfb is not None:
             self.added_ttfb.observe(max(0.0, record.added_ttfb))
         if error_kind is not None:
-            self.upstream_errors.labels(up, error_kind).inc()
+            child(self.upstream_errors, up, error_kind).inc()
         if record.source not in ("upstream", "beside") and record.status != 204:
-            self.follows.labels(up, record.source).inc()
-            self.saved.labels(up).inc()
-            self.events_saved.labels(up).inc(record.events)
+            child(self.follows, up, record.source).inc()
+            child(self.saved, up).inc()
+            child(self.events_saved, up).inc(record.events)
+
+    def _child(self, metric: Any, *values: str) -> Any:
+        """`metric.labels(*values)`, kept: prometheus_client checks the values, takes a lock
+        and builds its key on every call, several times a request. The values come from
+        closed sets (upstream names, dialects, outcomes, kinds), as its own children do."""
+        key = (metric, values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

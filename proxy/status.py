@@ -115,18 +115,23 @@ class StatusBoard:
         self.outcomes: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.upstreams: dict[str, UpstreamHealth] = {name: UpstreamHealth() for name in upstreams}
-        self._changed = asyncio.Event()
+        # Made when a feed first waits: every request begins and ends with a change, and
+        # with no status page open nobody waits for one.
+        self._changed: asyncio.Event | None = None
 
     def changed(self) -> None:
         """Wake every feed; each waits on the event it saw, so none misses a change."""
-        self._changed.set()
-        self._changed = asyncio.Event()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
     def next_change(self) -> Callable[[], Awaitable[object]]:
         """A wait for the first change after now. Taken before a snapshot, it returns at once
         for a change made while the snapshot was being sent (waiting on the board's event
         only afterwards missed it until the next change, seen in CI as a page one request
         behind)."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
         return self._changed.wait
 
     def finished(self, record: Record, error: BaseException | None = None) -> None:

@@ -98,20 +98,22 @@ def fingerprint_and_mode(
     if not body:
         return None, streaming
     try:
-        parsed: Any = json.loads(body, parse_float=_finite, parse_constant=_not_finite)
+        # json.loads, less the decoder it would build for its keywords on every call.
+        text = body.decode(json.detect_encoding(body), "surrogatepass")
+        parsed: Any = _FINITE_ONLY.decode(text)
         exotic = False
     except _NotFinite:
-        parsed, exotic = json.loads(body), True
+        parsed, exotic = json.loads(text), True
     except (ValueError, RecursionError):  # invalid JSON or UTF-8; nested too deep to parse
         return None, streaming
     if isinstance(parsed, dict):
         streaming = streaming or parsed.get("stream") is True
         for name in ignore_fields:
             parsed.pop(name, None)
-    text = _canonical(parsed, exotic)
-    if text is None:
+    canonical = _canonical(parsed, exotic)
+    if canonical is None:
         return None, streaming
-    return _sha256(b"fingerprint", route.encode(), path.encode(), text), streaming
+    return _sha256(b"fingerprint", route.encode(), path.encode(), canonical), streaming
 
 
 class _NotFinite(Exception):
@@ -127,6 +129,9 @@ def _finite(literal: str) -> float:
 
 def _not_finite(literal: str) -> float:
     raise _NotFinite
+
+
+_FINITE_ONLY = json.JSONDecoder(parse_float=_finite, parse_constant=_not_finite)
 
 
 def _canonical(parsed: Any, exotic: bool) -> bytes | None:

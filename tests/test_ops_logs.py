@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -129,6 +130,21 @@ def test_text_values_with_spaces_are_quoted() -> None:
     record = logs.Record(method="GET", path="/a b", upstream="u")
     line = logs.line(record, "text")
     assert 'path="/a b"' in line and "method=GET" in line
+
+
+@pytest.mark.parametrize(
+    "stamps",
+    [
+        # one second, then the next, then back: each line's own second, whatever came before
+        [1764662400.0, 1764662400.999, 1764662401.0005, 1764662400.5],
+        [0.0, 59.9999, 60.0, 86399.999, 86400.0],
+        [-0.5, -0.0001, 0.25],  # before 1970: gmtime rounds down, so must the cache
+    ],
+)
+def test_timestamps_are_rfc3339_utc_milliseconds_across_seconds(stamps: list[float]) -> None:
+    for ts in stamps:
+        expected = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts))
+        assert logs.rfc3339(ts) == f"{expected}.{int(ts % 1 * 1000):03d}Z"
 
 
 class _Stream(io.StringIO):

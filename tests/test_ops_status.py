@@ -272,3 +272,18 @@ async def test_a_change_made_while_a_snapshot_is_being_sent_is_not_missed() -> N
         with contextlib.suppress(asyncio.CancelledError):
             await task
     assert [s["totals"]["requests"] for s in snapshots] == [0, 1]
+
+
+async def test_each_wait_returns_at_the_first_change_after_it_was_taken() -> None:
+    board = status.StatusBoard(["default"])
+    board.changed()  # nobody waits yet: nothing is kept for a wait taken later
+    waits = [asyncio.ensure_future(board.next_change()()) for _ in range(2)]
+    await asyncio.sleep(0)  # both are waiting now
+    assert not any(wait.done() for wait in waits)
+    board.changed()  # one change wakes every wait taken before it
+    await asyncio.wait_for(asyncio.gather(*waits), 5)
+    later = asyncio.ensure_future(board.next_change()())
+    await asyncio.sleep(0)
+    assert not later.done()
+    board.changed()
+    await asyncio.wait_for(later, 5)
