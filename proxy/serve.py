@@ -144,6 +144,9 @@ def uvicorn_options(config: Config) -> dict[str, Any]:
         log_config=None,  # logs.configure routes uvicorn's loggers through our format
         server_header=False,  # the upstream's own date and server headers pass through
         date_header=False,
+        # The proxy never reads a caller's address or scheme: uvicorn's X-Forwarded-*
+        # middleware only wrapped every request (a percent of a short one's instructions).
+        proxy_headers=False,
         # Later than the app's own deadline (proxy.shutdown), which ends streams cleanly.
         timeout_graceful_shutdown=shutdown.uvicorn_timeout(config.server.shutdown_grace),
     )

@@ -21,6 +21,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from proxy import logs, serve
 from proxy.config import load
@@ -145,6 +147,20 @@ def test_timestamps_are_rfc3339_utc_milliseconds_across_seconds(stamps: list[flo
     for ts in stamps:
         expected = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts))
         assert logs.rfc3339(ts) == f"{expected}.{int(ts % 1 * 1000):03d}Z"
+
+
+_SCALARS = st.one_of(
+    st.text(),
+    st.integers(),
+    st.floats(),  # NaN and the infinities included: json.dumps writes them as NaN, Infinity
+    st.booleans(),
+    st.none(),
+)
+
+
+@given(st.dictionaries(st.text(), _SCALARS, max_size=30))
+def test_a_line_is_written_exactly_as_json_dumps_would(data: dict[str, object]) -> None:
+    assert logs._dumps(data) == json.dumps(data)
 
 
 class _Stream(io.StringIO):
