@@ -131,7 +131,7 @@ def _line_encoder() -> Callable[[dict[str, object]], str]:
     """`json.dumps` with its defaults, for a flat dict of plain values: the json module's
     C encoder made once (json.dumps makes one per call: a third of a line's cost), and
     without the check for cycles, which a dict of strings and numbers cannot have."""
-    make = json.encoder.c_make_encoder
+    make = getattr(json.encoder, "c_make_encoder", None)  # not in typeshed
     if make is None:  # a Python without the json module's C part
         return json.dumps
     encode = make(
