@@ -7,9 +7,12 @@ with all its events and every supersede closes its upstream is.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from bench.run import steal_share
 
@@ -77,3 +80,21 @@ def test_fingerprint_benchmark_runs_and_agrees_with_the_json_module() -> None:
         text=True,
     )
     assert "KB body: fingerprint" in done.stdout and " x)" in done.stdout
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
+def test_instruction_counts_are_measured_per_request_shape() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.instructions", "--requests", "6", "--json"],
+        cwd=ROOT,
+        check=True,
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
+    per_request = json.loads(done.stdout)["per_request"]
+    assert set(per_request) == {"keepalive", "fresh", "supersede", "floor"}
+    # A bare app costs less than the proxy; a connection of its own costs more than a
+    # kept-alive one, and a fence on top of that more again.
+    assert 0 < per_request["floor"] < per_request["keepalive"]
+    assert per_request["keepalive"] < per_request["fresh"] < per_request["supersede"]
