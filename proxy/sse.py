@@ -48,7 +48,7 @@ class SSESplitter:
             not self._size
             and chunk.endswith(b"\n\n")
             and chunk.find(b"\n\n") == len(chunk) - 2
-            and b"\r" not in chunk
+            and chunk.find(b"\r") < 0
             and chunk.isascii()
             and len(chunk) <= self._max
             and self.error is None
@@ -66,7 +66,7 @@ class SSESplitter:
             return []
         buf = b"".join((self._buf, *self._more, chunk)) if self._size else chunk
         self._more = []
-        if b"\r" in buf:
+        if buf.find(b"\r") >= 0:
             events, rest = _split_general(buf)
         else:
             events, rest = _split_lf(buf)
@@ -131,8 +131,8 @@ class SSESplitter:
 def _may_end_event(window: bytes) -> bool:
     """Whether an event boundary may end in `window` (a new read after the last 3 bytes
     buffered, which is as far back as a boundary reaching into the read can start)."""
-    if b"\r" not in window:
-        return b"\n\n" in window
+    if window.find(b"\r") < 0:
+        return window.find(b"\n\n") >= 0
     return _BOUNDARY.search(window) is not None
 
 
@@ -140,7 +140,7 @@ def _split_lf(buf: bytes) -> tuple[list[bytes], bytes]:
     # The common case (no "\r" anywhere): one C-level split, no regex. Boundaries are found
     # left to right like _BOUNDARY does, so that "\n\n\n" ends the event after two newlines
     # whichever path (and chunking) saw it.
-    if b"\n\n" not in buf:
+    if buf.find(b"\n\n") < 0:
         return [], buf
     *parts, rest = buf.split(b"\n\n")
     return [p + b"\n\n" for p in parts], rest
