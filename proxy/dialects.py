@@ -72,7 +72,9 @@ def is_terminal(dialect: str, event: bytes) -> bool:
     formatting (servers differ) do not matter, and a text delta that merely mentions
     `[DONE]` or `message_stop` is not taken for the end."""
     if dialect == OPENAI_CHAT:
-        return event.find(b"[DONE]") >= 0 and parse_fields(event).get("data", "").strip() == "[DONE]"
+        if event.find(b"[DONE]") < 0:
+            return False
+        return parse_fields(event).get("data", "").strip() == "[DONE]"
     marks = _TERMINAL_MARKS.get(dialect)
     if marks is None or all(event.find(mark) < 0 for mark in marks):
         return False
