@@ -1,17 +1,21 @@
-"""The proxy's own CPU per request, counted in instructions: `python -m bench.instructions`.
+"""The proxy's own CPU per request and per relayed event, counted in instructions:
+`python -m bench.instructions`.
 
 Seconds of CPU drift with the host: the same code measured 30 % apart from one hour to the
 next on this project's VMs, so an A/B of a few percent drowns. valgrind's callgrind counts
-the instructions a process executes, which depend on the code and its inputs only (the same
-count to 0.1 % run after run, with the other core loaded or not). streamfence runs under
+the instructions a process executes, which depend on the code and its inputs, hardly on
+the host: run after run, within 1 % for requests and 5 % for events (whose timers and
+reads still follow the clock), with the other core loaded or not. streamfence runs under
 callgrind with its instrumentation switched on only while the measured requests run, behind
-the bench's scripted upstream; the load client sends them one after the other in three
+the bench's scripted upstream; the load client sends them one after the other in four
 shapes:
 
     keepalive   one-token streams on one keep-alive connection (B1's shape)
     fresh       the same, each on a connection of its own
     supersede   pairs: a long stream, then once its first event is in, a newer request of
                 the same turn on another connection, which fences it (B5's shape)
+    stream      a stream of events 20 ms apart (B3's pace), each read and relayed on its
+                own; then one twice as long: the difference is the cost of an event
 
 and, for scale, `floor`: the same keep-alive requests against a bare ASGI app on the same
 uvicorn settings (uvloop, httptools, the accept loop) that streams three events: what
@@ -25,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import glob
 import json
 import os
 import shutil
@@ -41,7 +44,7 @@ from bench import client
 from bench.loop import run_fast
 from bench.run import ROOT, free_port, start_upstream, wait_port
 
-SHAPES = ("keepalive", "fresh", "supersede")
+SHAPES = ("keepalive", "fresh", "supersede", "stream")
 
 # The floor's app, run in its own process: the request read, three events and the end.
 FLOOR_APP = """
@@ -100,16 +103,29 @@ async def supersede(port: int, tag: str, n: int) -> None:
             raise RuntimeError(f"supersede {i} did not fence: {result}, {ended}")
 
 
+async def stream(port: int, tag: str, n: int) -> None:
+    """One stream of `n` events 20 ms apart: each is read and relayed on its own, even as
+    slowly as valgrind runs the proxy."""
+    conn = await client.connect(port)
+    result = await conn.request(n, 20, f"{tag}-stream")
+    conn.close()
+    if result.events != n + 2:
+        raise RuntimeError(f"the stream ended short: {result}")
+
+
 DRIVERS: dict[str, Callable[[int, str, int], Awaitable[None]]] = {
     "keepalive": keepalive,
     "fresh": fresh,
     "supersede": supersede,
+    "stream": stream,
 }
 
 
-def measure(shape: str, n: int, command: list[str], port: int, workdir: Path) -> int:
-    """Instructions of the process `command` starts (listening on `port`) while it serves
-    `n` requests of `shape`, after as many unmeasured ones to warm it up."""
+def measure(
+    shape: str, phases: list[int], command: list[str], port: int, workdir: Path
+) -> list[int]:
+    """Instructions of the process `command` starts (listening on `port`) in each phase: a
+    phase is `n` requests of `shape`, counted on their own. Unmeasured ones warm it up first."""
     out = workdir / f"{shape}.callgrind"
     proc = subprocess.Popen(
         [
@@ -134,11 +150,12 @@ def measure(shape: str, n: int, command: list[str], port: int, workdir: Path) ->
 
         async def run() -> None:
             driver = DRIVERS[shape]
-            await driver(port, "warm", max(2, n // 4))
-            control("-i", "on")
-            await driver(port, "measured", n)
-            control("-i", "off")
-            control("--dump")
+            await driver(port, "warm", max(2, phases[0] // 4))
+            for i, n in enumerate(phases):
+                control("-i", "on")
+                await driver(port, f"measured{i}", n)
+                control("-i", "off")
+                control("--dump")  # one file a phase: .1, .2, ...
 
         run_fast(run())
     finally:
@@ -148,44 +165,38 @@ def measure(shape: str, n: int, command: list[str], port: int, workdir: Path) ->
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    return _total(workdir, out)
+    return [_total(Path(f"{out}.{i + 1}")) for i in range(len(phases))]
 
 
-def _total(workdir: Path, out: Path) -> int:
-    """The instructions in callgrind's output files (one per dump: at exit, and more if
-    the process forked), counted once each."""
-    total = 0
-    for name in glob.glob(f"{out}*"):
-        for line in Path(name).read_text().splitlines():
-            if line.startswith("totals:"):
-                total += int(line.split()[1])
-    return total
+def _total(dump: Path) -> int:
+    for line in dump.read_text().splitlines():
+        if line.startswith("totals:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no totals in {dump}")
 
 
-def run(shapes: list[str], n: int, floor: bool) -> dict[str, Any]:
+def run(shapes: list[str], n: int, events: int, floor: bool) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="streamfence-instructions-"))
     log = (workdir / "upstream.log").open("w")
     upstream, up_port = start_upstream(log)
-    results: dict[str, Any] = {"requests": n, "per_request": {}}
+    results: dict[str, Any] = {"requests": n, "events": events, "per_request": {}}
     try:
         for shape in shapes:
             port = free_port()
-            command = [
-                sys.executable,
-                "-m",
-                "proxy",
-                "--upstream",
-                f"http://127.0.0.1:{up_port}",
-                "--port",
-                str(port),
-            ]
-            total = measure(shape, n, command, port, workdir)
-            results["per_request"][shape] = total // n
+            command = [sys.executable, "-m", "proxy", "--upstream", f"http://127.0.0.1:{up_port}"]
+            command += ["--port", str(port)]
+            if shape == "stream":  # a stream of `events`, then one of twice as many
+                one, two = measure(shape, [events, 2 * events], command, port, workdir)
+                results["per_event"] = (two - one) // events
+            else:
+                (total,) = measure(shape, [n], command, port, workdir)
+                results["per_request"][shape] = total // n
         if floor:
             script = workdir / "floor.py"
             script.write_text(FLOOR_APP)
             port = free_port()
-            total = measure("keepalive", n, [sys.executable, str(script), str(port)], port, workdir)
+            command = [sys.executable, str(script), str(port)]
+            (total,) = measure("keepalive", [n], command, port, workdir)
             results["per_request"]["floor"] = total // n
     finally:
         upstream.terminate()
@@ -200,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m bench.instructions", description=__doc__.split("\n")[0]
     )
     p.add_argument("--requests", type=int, default=200, help="measured requests per shape")
+    p.add_argument("--events", type=int, default=100, help="events of the shorter stream")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
     p.add_argument("--no-floor", action="store_true", help="skip the bare uvicorn app")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -207,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("valgrind is not installed (Debian: apt-get install valgrind)", file=sys.stderr)
         return 2
-    results = run(args.shapes, args.requests, not args.no_floor)
+    results = run(args.shapes, args.requests, args.events, not args.no_floor)
     if args.json:
         print(json.dumps(results))
         return 0
@@ -215,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| shape | instructions |\n|---|---|")
     for shape, count in results["per_request"].items():
         print(f"| {shape} | {count:,} |")
+    if "per_event" in results:
+        print(f"\nper relayed event (a stream read event by event): {results['per_event']:,}")
     return 0
 
 

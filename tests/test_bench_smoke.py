@@ -85,16 +85,19 @@ def test_fingerprint_benchmark_runs_and_agrees_with_the_json_module() -> None:
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
 def test_instruction_counts_are_measured_per_request_shape() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "bench.instructions", "--requests", "6", "--json"],
+        [sys.executable, "-m", "bench.instructions", "--requests", "6", "--events", "5", "--json"],
         cwd=ROOT,
         check=True,
         timeout=600,
         capture_output=True,
         text=True,
     )
-    per_request = json.loads(done.stdout)["per_request"]
+    results = json.loads(done.stdout)
+    per_request = results["per_request"]
     assert set(per_request) == {"keepalive", "fresh", "supersede", "floor"}
     # A bare app costs less than the proxy; a connection of its own costs more than a
     # kept-alive one, and a fence on top of that more again.
     assert 0 < per_request["floor"] < per_request["keepalive"]
     assert per_request["keepalive"] < per_request["fresh"] < per_request["supersede"]
+    # An event costs something, and far less than a request.
+    assert 0 < results["per_event"] < per_request["keepalive"] / 4

@@ -379,7 +379,7 @@ def _responses_events(tokens: list[str]) -> list[bytes]:
 
 
 def _anthropic_events(tokens: list[str]) -> list[bytes]:
-    message = {
+    message: dict[str, object] = {
         "id": "msg_1",
         "type": "message",
         "role": "assistant",
