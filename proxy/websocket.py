@@ -163,6 +163,7 @@ class Session:
                 while self._late:
                     fn, args = self._late.pop(0)
                     await fn(*args)
+            self.fence = None  # it refers back to this session: a cycle for the collector
 
     def stop(self) -> None:
         if self._tg is not None:

@@ -325,6 +325,11 @@ class ResponsesFence:
             finally:
                 self.rt.finished(attempt.record, error)
                 self.rt.end(attempt)
+                # Done with both, and both refer back to the attempt (the lease's callback,
+                # the fence's last event): cycles only the garbage collector would free.
+                if attempt.lease is not None:
+                    attempt.lease.forget()
+                attempt.owner = None
 
     def _record(self) -> Record:
         sess = self.session

@@ -16,11 +16,15 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import AsyncExitStack, contextmanager
 
+from websockets.asyncio.client import connect
+
 from proxy import generation
 from proxy.errors import UpstreamError, kept
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import chat_body, events, open_stream
+from tests.test_websocket_fence import SUPERSEDE, create, events_until_end, opening, ws_url
 from tests.upstream import ScriptedUpstream, free_port
+from tests.ws_upstream import ws_upstream
 
 CHAT = "/v1/chat/completions"
 
@@ -135,3 +139,28 @@ def test_a_kept_error_has_no_frames_along_its_chain_and_a_looped_chain_ends() ->
     looped.__cause__ = ValueError("b")
     looped.__cause__.__cause__ = looped
     assert kept(looped) is looped
+
+
+async def test_websocket_responses_plain_and_fenced(make_proxy: ProxyFactory) -> None:
+    # Per response (an Attempt, its Record and Lease, the socket's fence) nothing is left
+    # for the collector. Once per socket its Session is: anyio's task group keeps a cancelled
+    # child's CancelledError in its own frame (a cycle through that error's traceback, which
+    # holds the child's frames and so the session); sockets are few and long-lived.
+    per_socket = {"Session", "Upgrade", "Route"}
+    async with ws_upstream() as wsup, make_proxy(wsup.url, **SUPERSEDE) as proxy:
+        with _garbage() as found:
+            for i in range(2):
+                async with connect(ws_url(proxy)) as ws:
+                    for j in range(3):
+                        await ws.send(create(f"t{i}{j}", tokens=["a", "b"]))
+                        assert (await events_until_end(ws))[-1]["type"] == "response.completed"
+                    await ws.send(create("same", gated=True, tokens=3))
+                    await opening(ws)
+                    async with connect(ws_url(proxy)) as newer:
+                        await newer.send(create("same", tokens=["b"]))
+                        assert (await events_until_end(newer))[-1]["type"] == "response.completed"
+                    fenced = await events_until_end(ws)
+                    assert fenced[-1]["code"] == "stream_superseded"
+                await _settled(proxy)
+        leftover = Counter({k: v for k, v in found.items() if k not in per_socket})
+    assert leftover == Counter()
