@@ -117,11 +117,11 @@ def test_out_of_descriptors_pauses_accepting_then_resumes(
     failed: list[asyncio.Event] = []
 
     class Scarce(socket.socket):
-        def accept(self) -> tuple[socket.socket, Any]:
+        def _accept(self) -> tuple[int, Any]:
             if failures:
                 failed[0].set()
                 raise failures.pop()
-            return super().accept()
+            return super()._accept()
 
     async def main(sock: Scarce) -> bool:
         loop = asyncio.get_running_loop()
