@@ -20,15 +20,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import httpx
 
 from proxy import upstream
 from proxy.errors import StreamfenceError, UpstreamError
 from proxy.registry import Lease, Registry
+from proxy.tasks import spawn
 from proxy.upstream import UpstreamClient
 
 if TYPE_CHECKING:
@@ -440,14 +441,3 @@ class Generation:
     def headers_error(self) -> StreamfenceError:
         """Why there is no response to send (called once headers_ready is set)."""
         return self.error or UpstreamError("streamfence: the upstream request ended early")
-
-
-_background: set[asyncio.Task[None]] = set()
-
-
-def spawn(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-    """`coro` as a task the process keeps a reference to until it ends."""
-    task = asyncio.get_running_loop().create_task(coro)
-    _background.add(task)
-    task.add_done_callback(_background.discard)
-    return task

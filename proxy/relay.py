@@ -24,10 +24,11 @@ from typing import Any
 
 from proxy import dialects
 from proxy.errors import StreamfenceError, Superseded, UpstreamError, kept
-from proxy.generation import Generation, spawn
+from proxy.generation import Generation
 from proxy.logs import Record
 from proxy.registry import Lease
 from proxy.routing import response_headers
+from proxy.tasks import run_now
 
 Message = dict[str, Any]
 Send = Callable[[Message], Awaitable[None]]
@@ -208,9 +209,12 @@ class Subscriber:
             if self._guard is not None:
                 self._guard.disarm()
             try:
-                # The last client closes the upstream; shielded, so that a cancellation from
-                # outside (it still propagates) cannot leak the upstream or the lease.
-                await asyncio.shield(spawn(self.gen.detach(self)))
+                # The last client closes the upstream; what has to wait for that is shielded,
+                # so that a cancellation from outside (it still propagates) cannot leak the
+                # upstream or the lease.
+                rest = run_now(self.gen.detach(self))
+                if rest is not None:
+                    await asyncio.shield(rest)
             finally:
                 self._finish()
                 # The write guard's callback and the bounded send refer back to this

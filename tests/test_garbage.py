@@ -18,7 +18,7 @@ from contextlib import AsyncExitStack, contextmanager
 
 from websockets.asyncio.client import connect
 
-from proxy import generation
+from proxy import tasks
 from proxy.errors import UpstreamError, kept
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import chat_body, events, open_stream
@@ -50,7 +50,7 @@ async def _settled(proxy: Proxy) -> None:
     """Every request finished and every background step (a lease's release) has run."""
     await asyncio.wait_for(proxy.runtime.wait_idle(), 5)
     for _ in range(1000):
-        if not generation._background:
+        if not tasks._background:
             return
         await asyncio.sleep(0)
     raise AssertionError("background tasks still running")
