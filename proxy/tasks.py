@@ -29,7 +29,11 @@ def run_now(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
     """Runs `coro` in the caller's step up to its first wait: None if it ended there, else
     the task (`spawn`) that runs the rest. Whatever it raises before it waits, it raises
     here. (A cancellation of that task before its first step, which only the loop's own
-    teardown would send, leaves the coroutine to the collector, which closes it.)"""
+    teardown would send, leaves the coroutine to the collector, which closes it.)
+
+    The first part runs in the caller's task and the rest in another: `coro` must not
+    wait inside an `asyncio.timeout()` it entered before its first wait (that timeout
+    belongs to the caller's task). Generation.detach waits on futures and events only."""
     try:
         waiting = coro.send(None)
     except StopIteration:
