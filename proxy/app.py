@@ -230,7 +230,7 @@ class ProxyEndpoint:
             else:
                 lease = answer
         generation = rt.generations.start(ask, lease)
-        rt.metrics.generations.labels(up.name).inc()
+        rt.metrics.child(rt.metrics.generations, up.name).inc()
         return generation, served(decision.how)
 
     def _ask(

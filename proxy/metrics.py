@@ -165,7 +165,7 @@ class Metrics:
         )
 
     def observe(self, record: Record, error_kind: str | None = None) -> None:
-        up, child = record.upstream, self._child
+        up, child = record.upstream, self.child
         child(self.requests, up, record.dialect, record.outcome).inc()
         if record.events:
             child(self.events, up).inc(record.events)
@@ -184,7 +184,7 @@ class Metrics:
             child(self.saved, up).inc()
             child(self.events_saved, up).inc(record.events)
 
-    def _child(self, metric: Any, *values: str) -> Any:
+    def child(self, metric: Any, *values: str) -> Any:
         """`metric.labels(*values)`, kept: prometheus_client checks the values, takes a lock
         and builds its key on every call, several times a request. The values come from
         closed sets (upstream names, dialects, outcomes, kinds), as its own children do."""
