@@ -9,8 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 import httpx
 
@@ -229,28 +228,46 @@ def _parsed(url: str) -> httpx.URL:
     return httpx.URL(url)
 
 
-@contextmanager
-def translate_errors(name: str, address: str = "") -> Iterator[None]:
+def translate_errors(name: str, address: str = "") -> _Translating:
     """httpx's exceptions, as the project's own (errors.UpstreamError and subclasses),
     each with its cause for the log line (causes.describe)."""
-    try:
-        yield
-    except httpx.TimeoutException as exc:
+    return _Translating(name, address)
+
+
+class _Translating:
+    """translate_errors' context manager: a class, not @contextmanager's generator, as it
+    wraps every request three times (its send, its body, its close)."""
+
+    __slots__ = ("address", "name")
+
+    def __init__(self, name: str, address: str) -> None:
+        self.name = name
+        self.address = address
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        if isinstance(exc, httpx.HTTPError):
+            raise _translated(exc, self.name, self.address) from exc
+
+
+def _translated(exc: httpx.HTTPError, name: str, address: str) -> UpstreamError:
+    if isinstance(exc, httpx.TimeoutException):
         what = "connect" if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout) else "respond"
-        raise UpstreamTimeout(
+        return UpstreamTimeout(
             f"streamfence: upstream {name!r} did not {what} within the configured timeout",
             causes.describe(exc, address),
-        ) from exc
-    except (httpx.ConnectError, httpx.UnsupportedProtocol, httpx.ProxyError) as exc:
-        raise UpstreamConnectError(
+        )
+    if isinstance(exc, httpx.ConnectError | httpx.UnsupportedProtocol | httpx.ProxyError):
+        return UpstreamConnectError(
             f"streamfence: could not connect to upstream {name!r} ({causes.kind(exc)})",
             causes.describe(exc, address),
-        ) from exc
-    except httpx.HTTPError as exc:
-        raise UpstreamError(
-            f"streamfence: upstream {name!r} broke the HTTP exchange ({type(exc).__name__})",
-            causes.describe(exc, address),
-        ) from exc
+        )
+    return UpstreamError(
+        f"streamfence: upstream {name!r} broke the HTTP exchange ({type(exc).__name__})",
+        causes.describe(exc, address),
+    )
 
 
 def is_event_stream(response: httpx.Response) -> bool:
