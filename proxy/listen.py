@@ -138,7 +138,7 @@ def _accepted_class(listening: socket.socket) -> type[socket.socket]:
     """The class of the sockets accepted on `listening`: its family and type as plain
     attributes. socket.socket turns each into an enum at every read, in Python, and
     socket.accept() and uvloop's connect_accepted_socket read both for every connection:
-    a tenth of the instructions of setting one up (python -m bench.instructions)."""
+    a quarter of the instructions of setting one up (python -m bench.instructions)."""
 
     class Accepted(socket.socket):
         __slots__ = ()
