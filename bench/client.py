@@ -296,6 +296,7 @@ async def fence(spec: dict[str, Any]) -> dict[str, Any]:
         return await _supersede(spec["port"], f"{spec['tag']}-{j}", slots, close_only)
 
     pairs = await asyncio.gather(*(one(j) for j in range(spec["n"])))
+    window = [start, time.monotonic()]  # from the first supersede to the last one's end
     load_results = await load
     # The upstream may see a close a moment after the client saw its stream end (the proxy
     # closes the upstream, then writes the frame): ask again until every one is in.
@@ -314,6 +315,7 @@ async def fence(spec: dict[str, Any]) -> dict[str, Any]:
         "fenced": sum(ok for _, _, ok in pairs),
         "closed_seen": len(latencies),
         "fence_ms": latencies,
+        "supersede_window": window,
         "load": _summary(load_results, spec["load"]["tokens"] + 2),
     }
 

@@ -58,6 +58,8 @@ def summarize(raw: Raw) -> dict[str, dict[str, dict[str, float]]]:
                 m["fenced"] = sum(r["fenced"] for r in rounds)
                 m["closes seen"] = sum(r["closed_seen"] for r in rounds)
                 m["load completed"] = min(r["load"]["completed"] for r in rounds)
+                busy = [r["proxy_busy_supersedes"] for r in rounds if "proxy_busy_supersedes" in r]
+                m["proxy CPU while superseding"] = _median(busy) if busy else math.nan
             else:
                 m["completed"] = min(r["completed"] for r in rounds)
                 m["requests"] = rounds[0]["requests"]
@@ -114,6 +116,7 @@ ROWS: list[tuple[str, str, str]] = [
     ("B5", "fence max ms", "{:.2f}"),
     ("B5", "proxy fence p50 ms", "{:.2f}"),
     ("B5", "proxy fence p99 ms", "{:.2f}"),
+    ("B5", "proxy CPU while superseding", "{:.2f} of a core"),
     ("B5", "load completed", "{:.0f}"),
 ]
 

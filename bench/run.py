@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -23,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -131,6 +133,41 @@ def steal_share(before: list[int], after: list[int]) -> float:
     (`steal`, the 8th field): on a shared VM it varies run to run and every figure with it."""
     delta = [b - a for a, b in zip(before, after, strict=True)]
     return delta[7] / sum(delta) if sum(delta) else 0.0
+
+
+class CpuSampler:
+    """The CPU seconds of some processes, read every 50 ms in a thread of the runner: how
+    much of a core they used in a window of the measurement (B5: while the supersedes run,
+    which is when the proxy's work peaks)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.samples: list[tuple[float, float]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append((time.monotonic(), cpu_seconds(self.pids)))
+            if self._done.wait(0.05):
+                return
+
+    def stop(self) -> CpuSampler:
+        self._done.set()
+        self._thread.join()
+        return self
+
+    def share(self, start: float, end: float) -> float:
+        """CPU seconds a second between `start` and `end` (1.0: one core, all the time)."""
+
+        def at(t: float) -> float:  # interpolated between the samples around t
+            for (t0, c0), (t1, c1) in zip(self.samples, self.samples[1:], strict=False):
+                if t0 <= t <= t1:
+                    return c0 + (c1 - c0) * (t - t0) / (t1 - t0) if t1 > t0 else c0
+            return self.samples[0][1] if t < self.samples[0][0] else self.samples[-1][1]
+
+        return (at(end) - at(start)) / (end - start) if end > start else math.nan
 
 
 def status_kb(pid: int, key: str) -> int:
@@ -279,8 +316,11 @@ def measure(
     before = (cpu_seconds([upstream.pid]), cpu_seconds(target.pids))
     machine = cpu_times()
     started = time.monotonic()
+    sampler = CpuSampler(target.pids) if spec["kind"] == "fence" and target.pids else None
     result, client_cpu = run_client(spec)
     wall = time.monotonic() - started
+    if sampler is not None:
+        result["proxy_busy_supersedes"] = sampler.stop().share(*result["supersede_window"])
     result["steal"] = steal_share(machine, cpu_times())
     result["cpu_s"] = {
         "client": client_cpu,
@@ -350,6 +390,9 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, 
             " (one process hop direct, two through nginx, as through streamfence)."
             " 'proxy fence' is the proxy's own measure (its JSON log): from the lease being"
             " superseded to the old upstream response closed.",
+            "B5 'proxy CPU while superseding': the proxy's CPU seconds a second from the first"
+            " supersede to the end of the last one (1.00: a whole core), read every 50 ms."
+            " Near or over 1.00 its work queues, and the supersedes wait in that queue.",
         ],
     }
 

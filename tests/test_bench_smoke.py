@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.run import steal_share
+from bench.run import CpuSampler, steal_share
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,6 +40,8 @@ def test_every_scenario_completes(tmp_path: Path) -> None:
     assert fence["closes seen"] == fence["supersedes"]
     assert fence["sent under load"] == fence["supersedes"]  # the load outlasted them
     assert fence["load completed"] == results["sizes"]["B5"]["load"]["n"]
+    # Sampled while the supersedes ran (at smoke size a few ticks of /proc's clock at most).
+    assert 0 <= fence["proxy CPU while superseding"] <= results["machine"]["nproc"]
     assert summary["B3"]["streamfence"]["peak RSS MB"] > 0
     assert all(0 <= m["steal %"] <= 100 for m in summary["B3"].values())
 
@@ -101,3 +103,12 @@ def test_instruction_counts_are_measured_per_request_shape() -> None:
     assert per_request["keepalive"] < per_request["fresh"] < per_request["supersede"]
     # An event costs something, and far less than a request.
     assert 0 < results["per_event"] < per_request["keepalive"] / 4
+
+
+def test_the_cpu_share_of_a_window_is_read_between_the_samples_around_it() -> None:
+    sampler = CpuSampler.__new__(CpuSampler)  # its samples by hand, no thread
+    sampler.samples = [(10.0, 5.0), (10.1, 5.05), (10.2, 5.15), (10.3, 5.15)]
+    assert sampler.share(10.1, 10.2) == pytest.approx(1.0)  # a whole core
+    assert sampler.share(10.0, 10.3) == pytest.approx(0.5)
+    assert sampler.share(10.05, 10.15) == pytest.approx(0.75)  # halfway between samples
+    assert sampler.share(9.0, 10.0) == 0.0  # before the first sample: nothing counted
