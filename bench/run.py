@@ -392,7 +392,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, 
             " superseded to the old upstream response closed.",
             "B5 'proxy CPU while superseding': the proxy's CPU seconds a second from the first"
             " supersede to the end of the last one (1.00: a whole core), read every 50 ms."
-            " Near or over 1.00 its work queues, and the supersedes wait in that queue.",
+            " Its work runs on one thread: near 1.00 that work queues, and the supersedes"
+            " wait in the queue.",
         ],
     }
 
