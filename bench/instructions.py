@@ -73,42 +73,31 @@ uvicorn.Server(uvicorn.Config(
 """
 
 
+# The load client's own scenarios (bench/client.py), one request at a time.
+
+
 async def keepalive(port: int, tag: str, n: int) -> None:
-    conn = await client.connect(port)
-    for i in range(n):
-        await conn.request(1, 0, f"{tag}-{i}")
-    conn.close()
+    await client.ttft({"port": port, "n": n, "tag": tag})
 
 
 async def fresh(port: int, tag: str, n: int) -> None:
+    slots = asyncio.Semaphore(1)
     for i in range(n):
-        conn = await client.connect(port)
-        await conn.request(1, 0, f"{tag}-{i}")
-        conn.close()
+        await client.one_stream(port, 1, 0, f"{tag}-{i}", slots)
 
 
 async def supersede(port: int, tag: str, n: int) -> None:
+    slots = asyncio.Semaphore(2)
     for i in range(n // 2):
-        turn = f"{tag}-turn-{i}"
-        old = await client.connect(port)
-        pending = old.request(10_000, 20, f"{tag}-old-{i}", turn)
-        assert old.first is not None
-        await asyncio.wait([old.first, pending], return_when=asyncio.FIRST_COMPLETED)
-        new = await client.connect(port)
-        result = await new.request(1, 0, f"{tag}-new-{i}", turn)
-        new.close()
-        ended = await asyncio.wait_for(pending, 10)
-        old.close()
-        if result.status != 200 or ended.events >= 10_000:
-            raise RuntimeError(f"supersede {i} did not fence: {result}, {ended}")
+        _, _, fenced = await client._supersede(port, f"{tag}-{i}", slots, close_only=False)
+        if not fenced:
+            raise RuntimeError(f"supersede {i} did not fence its old stream")
 
 
 async def stream(port: int, tag: str, n: int) -> None:
     """One stream of `n` events 20 ms apart: each is read and relayed on its own, even as
     slowly as valgrind runs the proxy."""
-    conn = await client.connect(port)
-    result = await conn.request(n, 20, f"{tag}-stream")
-    conn.close()
+    result = await client.one_stream(port, n, 20, f"{tag}-stream", asyncio.Semaphore(1))
     if result.events != n + 2:
         raise RuntimeError(f"the stream ended short: {result}")
 
