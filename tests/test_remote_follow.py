@@ -125,8 +125,18 @@ async def test_twins_sent_at_once_to_two_processes_are_asked_upstream_once(
     async with two_proxies(make_proxy, upstream, redis_server) as (pa, pb):
         async with pa.client() as ca, pb.client() as cb:
             for i in range(10):
-                body = chat_body(tokens=3, prefix=f"P{i}-")  # no turn id: the fingerprint
-                ra, rb = await asyncio.gather(ca.post(CHAT, json=body), cb.post(CHAT, json=body))
+                # Gated: the first generation stays open until both have their answer's head,
+                # so the second cannot come after it ended (then it would rightly go upstream
+                # too: in a CI run the first twins raced a cold cluster connection that way).
+                body = chat_body(gated=True, tokens=3, prefix=f"P{i}-")  # the fingerprint
+                asked = len(upstream.seen)
+                async with AsyncExitStack() as sa, AsyncExitStack() as sb:
+                    ra, rb = await asyncio.gather(
+                        open_stream(sa, ca, CHAT, body), open_stream(sb, cb, CHAT, body)
+                    )
+                    for seen in upstream.seen[asked:]:
+                        seen.release(10)
+                    await asyncio.wait_for(asyncio.gather(ra.aread(), rb.aread()), 10)
                 for r in (ra, rb):
                     assert r.status_code == 200, r.text
                     assert r.text.endswith("data: [DONE]\n\n") and f"P{i}-2 " in r.text
