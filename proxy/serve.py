@@ -136,7 +136,8 @@ def uvicorn_options(config: Config) -> dict[str, Any]:
     """How uvicorn runs the proxy, in one process or in each worker."""
     return dict(
         loop="proxy.listen:Loop",  # uvloop, accepting every pending connection at a wake-up
-        http="httptools",
+        # httptools, each request's first step taken as soon as it is read
+        http="proxy.eager:Protocol",
         ws="websockets-sansio",  # WebSocket mode (proxy/websocket.py)
         ws_max_size=config.server.websocket_max_message_bytes + 1,  # the app says 1009 itself
         lifespan="on",

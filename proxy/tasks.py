@@ -1,17 +1,23 @@
-"""Work that runs beside a request: background tasks the process keeps, and a coroutine
-run at once for as long as it does not have to wait.
+"""Work that runs beside a request: background tasks the process keeps, and coroutines
+whose first step runs at once, not at the event loop's next iteration.
 
 `run_now` exists for the end of every request: its subscriber leaves its generation (the
 last one closes the upstream and releases the lease), shielded from a cancellation from
 outside. Most of the time that needs no wait at all, and a task and a shield for it were
 3 % of a short request's instructions (python -m bench.instructions); only when it has to
 wait does the rest become a task, which the caller then shields as before.
+
+`start_eagerly` exists for the start of every request (proxy/eager.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Generator
+import contextvars
+import functools
+import types
+from asyncio.tasks import _enter_task, _leave_task
+from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
 _background: set[asyncio.Task[None]] = set()
@@ -28,46 +34,113 @@ def spawn(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
 def run_now(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
     """Runs `coro` in the caller's step up to its first wait: None if it ended there, else
     the task (`spawn`) that runs the rest. Whatever it raises before it waits, it raises
-    here. (A cancellation of that task before its first step, which only the loop's own
-    teardown would send, leaves the coroutine to the collector, which closes it.)
+    here.
 
     The first part runs in the caller's task and the rest in another: `coro` must not
     wait inside an `asyncio.timeout()` it entered before its first wait (that timeout
     belongs to the caller's task). Generation.detach waits on futures and events only."""
+    started = _Started(coro)
+    started.taken = True
     try:
-        waiting = coro.send(None)
+        started.waiting = coro.send(None)
     except StopIteration:
         return None
-    return spawn(_rest(_Started(coro, waiting)))
+    return spawn(_prestepped(started))
 
 
-async def _rest(started: _Started) -> None:
-    await started
+def start_eagerly(
+    loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], context: contextvars.Context
+) -> tuple[asyncio.Task[Any], Callable[[], None]]:
+    """A task for `coro`, and its first step, for the caller to take before the loop runs
+    again: as `asyncio.Task(..., eager_start=True)` (Python 3.12) does, on 3.11 too. The
+    step runs with the task as the current task and in its context, so timeouts and task
+    groups entered in it are the task's; the task, when it runs, waits for what the step
+    waited for and goes on from there (proxy/eager.py: a request's first step)."""
+    started = _Started(coro)
+    task = loop.create_task(_prestepped(started), context=context)
+    return task, functools.partial(context.run, started.first_step, loop, task)
+
+
+def _prestepped(started: _Started) -> Coroutine[Any, Any, Any]:
+    """What a task runs to finish `started`, stepped once to its first yield before it is
+    a task's: a cancellation of the task before its first step is thrown in there and
+    handed on to the coroutine (not left to the collector)."""
+    rest = _finish(started)
+    rest.send(None)
+    return rest
+
+
+@types.coroutine
+def _finish(started: _Started) -> Generator[Any, Any, Any]:
+    """Waits for what the coroutine's first step waits for (or throws in what cancelled
+    the task), then drives the coroutine with `yield from`: from there on each resumption
+    is passed on in C, with no Python of ours to run.
+
+    No exception is left in a local when one leaves this frame: its traceback holds the
+    frame, and the frame holding it back would be a cycle, the coroutine's objects left
+    to the garbage collector (tests/test_garbage.py)."""
+    thrown: BaseException | None = None
+    try:
+        yield
+    except BaseException as exc:  # noqa: BLE001 - a cancellation, for the coroutine
+        thrown = exc
+    coro = started.coro
+    if not started.taken:  # the task ran before its first step was taken: a task as any
+        started.taken = True
+        if thrown is None:
+            return (yield from coro)  # a coroutine's: allowed in a types.coroutine
+        coro.close()
+        try:
+            raise thrown
+        finally:
+            thrown = None
+    if started.ended is not None:  # the first step ended it: its value or its error
+        raised, result = started.ended
+        started.ended = None
+        if thrown is None and not raised:
+            return result
+        try:
+            raise result if thrown is None else thrown
+        finally:
+            thrown = result = None
+    value, started.waiting = started.waiting, None
+    while True:
+        if thrown is not None:
+            try:
+                value = coro.throw(thrown)
+            except StopIteration as stop:
+                return stop.value
+            finally:
+                thrown = None
+        try:
+            yield value  # the task waits on it, as it would have for the coroutine
+        except BaseException as exc:  # noqa: BLE001 - a cancellation, for the coroutine
+            thrown = exc
+        else:
+            return (yield from coro)
 
 
 class _Started:
-    """A coroutine that has run up to a wait, as an awaitable for a task to finish: what
-    the task sends or throws in goes on to the coroutine, what it yields comes back out."""
+    """A coroutine whose first step runs outside a task, and what that step left."""
 
-    __slots__ = ("_coro", "_waiting")
+    __slots__ = ("coro", "waiting", "ended", "taken")
 
-    def __init__(self, coro: Coroutine[Any, Any, None], waiting: Any) -> None:
-        self._coro = coro
-        self._waiting = waiting
+    def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self.coro = coro
+        self.waiting: Any = None  # what its first step yielded: a future, or None
+        self.ended: tuple[bool, Any] | None = None  # (raised, value): the first step ended it
+        self.taken = False  # the first step: by the caller, or by the task if it ran first
 
-    def __await__(self) -> Generator[Any, Any, None]:
-        coro, value = self._coro, self._waiting
-        self._waiting = None
-        while True:
-            try:
-                sent = yield value
-            except BaseException as exc:  # noqa: BLE001 - a cancellation, thrown in by the task
-                try:
-                    value = coro.throw(exc)
-                except StopIteration:
-                    return
-            else:
-                try:
-                    value = coro.send(sent)
-                except StopIteration:
-                    return
+    def first_step(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> None:
+        if self.taken:
+            return
+        self.taken = True
+        _enter_task(loop, task)
+        try:
+            self.waiting = self.coro.send(None)
+        except StopIteration as stop:
+            self.ended = (False, stop.value)
+        except BaseException as exc:  # noqa: BLE001 - the task raises it, as a task would
+            self.ended = (True, exc)
+        finally:
+            _leave_task(loop, task)

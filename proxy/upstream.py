@@ -87,7 +87,7 @@ def abort(response: httpx.Response) -> bool:
     transport allows it (ours): True if it did. The response must still be closed."""
     own = _own_body(response)
     if own is not None:
-        own[0].conn.close()
+        own[0].conn.abort()
     return own is not None
 
 

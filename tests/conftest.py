@@ -12,6 +12,7 @@ import pytest
 from proxy.app import Runtime, create_app
 from proxy.config import load
 from proxy.listen import Loop
+from proxy.serve import uvicorn_options
 from tests.redis_server import (  # noqa: F401 - fixtures: a Redis server, or a cluster
     redis_server,
     restartable_redis,
@@ -80,10 +81,11 @@ def make_proxy() -> ProxyFactory:
         app_kw = flat.pop("_app", {})  # before load(): it is not a config key
         config = load(env={}, overrides=flat)
         app = create_app(config, **app_kw)
-        # WebSocket mode as the CLI serves it (tests/upstream.py's default is ws="none").
-        limit = config.server.websocket_max_message_bytes
-        ws = {"ws": "websockets-sansio", "ws_max_size": limit + 1}  # as proxy/cli.py
-        async with serve(app, **ws) as (url, _server):
+        # HTTP and WebSocket protocols as the CLI serves them (tests/upstream.py's defaults
+        # are uvicorn's httptools protocol and ws="none").
+        options = uvicorn_options(config)
+        protocols = {key: options[key] for key in ("http", "ws", "ws_max_size")}
+        async with serve(app, **protocols) as (url, _server):
             yield Proxy(url, app.state.runtime)
 
     return start

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+from typing import Any
 
 import pytest
 
@@ -96,3 +98,137 @@ async def test_shielded_the_rest_outlives_a_cancelled_caller_and_its_own_cancel_
     with pytest.raises(asyncio.CancelledError):
         await other
     assert ends == ["finished", "cancelled"]
+
+
+# -- start_eagerly: a task whose first step the caller takes (proxy/eager.py) -----------
+
+
+async def _eagerly(coro: Any, seen: list[Any] | None = None) -> asyncio.Task[Any]:
+    """`coro`'s task made and its first step taken in a loop callback, outside any task,
+    as uvicorn's data_received does; `seen` gets a marker between the two."""
+    loop = asyncio.get_running_loop()
+    made: asyncio.Future[asyncio.Task[Any]] = loop.create_future()
+
+    def callback() -> None:
+        task, step = tasks.start_eagerly(loop, coro, contextvars.copy_context())
+        if seen is not None:
+            seen.append("made")
+        step()
+        made.set_result(task)
+
+    loop.call_soon(callback)
+    return await made
+
+
+async def test_the_first_step_runs_when_taken_as_the_task_and_the_task_goes_on_from_it() -> None:
+    gate: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    seen: list[Any] = []
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="unset")
+
+    async def request() -> str:
+        seen.append(asyncio.current_task())
+        var.set("set in the first step")
+        seen.append(await gate)
+        seen.append(var.get())  # the same context in the task
+        return "answer"
+
+    task = await _eagerly(request(), seen)
+    assert seen == ["made", task]  # the step ran when taken, as the task, up to its wait
+    gate.set_result("after")
+    assert await asyncio.wait_for(task, 5) == "answer"
+    assert seen == ["made", task, "after", "set in the first step"]
+    assert var.get() == "unset"  # the caller's context is not the task's
+
+
+async def test_a_step_not_taken_before_the_task_runs_is_the_tasks_own_first_step() -> None:
+    ran: list[str] = []
+
+    async def request() -> str:
+        ran.append("ran")
+        await asyncio.sleep(0)
+        return "answer"
+
+    task, step = tasks.start_eagerly(
+        asyncio.get_running_loop(), request(), contextvars.copy_context()
+    )
+    assert await asyncio.wait_for(task, 5) == "answer"
+    step()  # too late: the task took it; nothing runs twice
+    assert ran == ["ran"]
+
+
+async def test_a_first_step_that_ends_the_coroutine_or_raises_ends_the_task_so() -> None:
+    async def quick() -> str:
+        return "done"
+
+    async def failing() -> None:
+        raise ValueError("in the first step")
+
+    assert await asyncio.wait_for(await _eagerly(quick()), 5) == "done"
+    with pytest.raises(ValueError, match="in the first step"):
+        await asyncio.wait_for(await _eagerly(failing()), 5)
+
+
+async def test_a_timeout_entered_in_the_first_step_is_the_tasks() -> None:
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    outcome: list[str] = []
+
+    async def bounded() -> None:
+        try:
+            async with asyncio.timeout(0.01):  # needs the current task: the eager one
+                await never
+        except TimeoutError:
+            outcome.append("timed out")
+
+    await asyncio.wait_for(await _eagerly(bounded()), 5)
+    assert outcome == ["timed out"]
+
+
+@pytest.mark.parametrize("waits_on", ["future", "bare yield"])
+async def test_a_cancellation_before_the_task_first_runs_reaches_the_coroutine(
+    waits_on: str,
+) -> None:
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    ends: list[str] = []
+
+    async def request() -> None:
+        try:
+            if waits_on == "bare yield":
+                await asyncio.sleep(0)
+            await gate
+            ends.append("finished")
+        except asyncio.CancelledError:
+            ends.append("cancelled where it waited")
+            raise
+
+    loop = asyncio.get_running_loop()
+    made: asyncio.Future[asyncio.Task[Any]] = loop.create_future()
+
+    def callback() -> None:
+        task, step = tasks.start_eagerly(loop, request(), contextvars.copy_context())
+        step()
+        task.cancel()  # before the loop ran the task at all
+        made.set_result(task)
+
+    loop.call_soon(callback)
+    task = await made
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 5)
+    assert ends == ["cancelled where it waited"]
+
+
+async def test_a_cancellation_while_the_task_waits_is_the_coroutines_to_handle() -> None:
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    ends: list[str] = []
+
+    async def stubborn() -> str:
+        try:
+            await gate
+        except asyncio.CancelledError:
+            ends.append("cancelled")
+        return "kept going"
+
+    task = await _eagerly(stubborn())
+    await asyncio.sleep(0)  # the task runs and takes over the wait
+    task.cancel()
+    assert await asyncio.wait_for(task, 5) == "kept going"
+    assert ends == ["cancelled"]

@@ -7,6 +7,7 @@ Synchronisation is by events the server sets (request seen, EOF seen), never by 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import ssl
 import struct
@@ -18,7 +19,7 @@ import httpx
 import pytest
 import trustme
 
-from proxy import connection, pacing
+from proxy import connection, pacing, upstream
 from proxy.config import load
 from proxy.connection import Body
 from proxy.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
@@ -569,3 +570,39 @@ async def test_reading_resumes_only_once_both_the_pause_and_the_full_buffer_are_
     assert conn.take() is not None
     assert not sock.paused
     conn.close()
+
+
+TCP_ESTABLISHED, TCP_FIN_WAIT1, TCP_FIN_WAIT2 = 1, 4, 5  # linux/tcp_states.h
+
+
+def tcp_state(fd: int) -> int:
+    """The TCP state of the socket behind `fd` (TCP_INFO's first byte): closes `fd`."""
+    with socket.socket(fileno=fd) as sock:
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", PROXY_LOOP], ids=["asyncio", "uvloop"])
+async def test_an_aborted_response_sends_its_fin_in_the_callers_own_step() -> None:
+    # A fence is over when the upstream sees its connection end: uvloop closes a socket
+    # only when the loop next runs its callbacks, so abort shuts it down itself.
+    async def held(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await server.read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await w.drain()
+        await server.wait_eof(r)
+
+    async with serve(held) as server:
+        c = create_client(Transport())
+        try:
+            response = await c.send(httpx.Request("POST", server.url, content=b"{}"), "up")
+            own = upstream._own_body(response)
+            assert own is not None
+            socket_of = own[0].conn.transport.get_extra_info("socket")
+            before, after = os.dup(socket_of.fileno()), os.dup(socket_of.fileno())
+            assert tcp_state(before) == TCP_ESTABLISHED
+            assert upstream.abort(response)
+            assert tcp_state(after) in (TCP_FIN_WAIT1, TCP_FIN_WAIT2)  # nothing awaited yet
+            await asyncio.wait_for(server.saw_eof.wait(), GUARD)
+            await response.aclose()
+        finally:
+            await c.aclose()
