@@ -65,9 +65,15 @@ def _prestepped(started: _Started) -> Coroutine[Any, Any, Any]:
     """What a task runs to finish `started`, stepped once to its first yield before it is
     a task's: a cancellation of the task before its first step is thrown in there and
     handed on to the coroutine (not left to the collector)."""
-    rest = _finish(started)
+    rest = _task(started)
     rest.send(None)
     return rest
+
+
+async def _task(started: _Started) -> Any:
+    # A native coroutine around the generator: asyncio takes no generator as a task's
+    # coroutine since Python 3.12, but any coroutine may await one made by types.coroutine.
+    return await _finish(started)
 
 
 @types.coroutine
