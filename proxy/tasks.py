@@ -55,7 +55,8 @@ def start_eagerly(
     again: as `asyncio.Task(..., eager_start=True)` (Python 3.12) does, on 3.11 too. The
     step runs with the task as the current task and in its context, so timeouts and task
     groups entered in it are the task's; the task, when it runs, waits for what the step
-    waited for and goes on from there (proxy/eager.py: a request's first step)."""
+    waited for and goes on from there (proxy/eager.py: a request's first step). Take the
+    step outside any task, from a loop callback: no other task may be current in it."""
     started = _Started(coro)
     task = loop.create_task(_prestepped(started), context=context)
     return task, functools.partial(context.run, started.first_step, loop, task)
