@@ -98,6 +98,24 @@ def client(transport: Transport, **kw: object) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=transport, timeout=GUARD, **kw)  # type: ignore[arg-type]
 
 
+FIRST_CHUNK = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n"
+
+
+def answers_then_holds(
+    head: bytes,
+) -> Callable[[Server, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+    """A handler that reads the request, writes `head` (a response's start), then holds
+    the connection open until the client closes it."""
+
+    async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await server.read_request(r)
+        w.write(head)
+        await w.drain()
+        await server.wait_eof(r)
+
+    return handler
+
+
 def content_length_response(body: bytes, extra: bytes = b"") -> bytes:
     return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n%s" % (len(body), extra, body)
 
@@ -163,12 +181,7 @@ async def test_body_delimited_by_close_is_read_to_the_end_and_not_reused() -> No
 
 
 async def test_head_response_has_no_body() -> None:
-    async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await server.read_request(r)
-        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n")
-        await w.drain()
-        await server.wait_eof(r)
-
+    handler = answers_then_holds(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n")
     async with serve(handler) as server, client(Transport()) as c:
         r = await c.head(server.url)
         assert r.status_code == 200
@@ -187,15 +200,7 @@ async def test_interim_100_continue_is_skipped() -> None:
 
 
 async def test_closing_an_unfinished_response_closes_the_connection_at_once() -> None:
-    release = asyncio.Event()
-
-    async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await server.read_request(r)
-        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
-        await w.drain()
-        await server.wait_eof(r)
-        release.set()
-
+    handler = answers_then_holds(FIRST_CHUNK)
     transport = Transport()
     async with serve(handler) as server, client(transport) as c:
         async with c.stream("GET", server.url) as r:
@@ -355,12 +360,9 @@ async def test_an_idle_connection_past_its_expiry_is_not_reused() -> None:
 
 
 async def test_silence_mid_body_past_the_read_timeout_is_a_read_timeout() -> None:
-    async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await server.read_request(r)
-        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\none\r\n")
-        await w.drain()
-        await server.wait_eof(r)
-
+    handler = answers_then_holds(
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\none\r\n"
+    )
     transport = Transport()
     async with serve(handler) as server, client(transport) as c:
         got: list[bytes] = []
@@ -585,13 +587,7 @@ def tcp_state(fd: int) -> int:
 async def test_an_aborted_response_sends_its_fin_in_the_callers_own_step() -> None:
     # A fence is over when the upstream sees its connection end: uvloop closes a socket
     # only when the loop next runs its callbacks, so abort shuts it down itself.
-    async def held(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await server.read_request(r)
-        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
-        await w.drain()
-        await server.wait_eof(r)
-
-    async with serve(held) as server:
+    async with serve(answers_then_holds(FIRST_CHUNK)) as server:
         c = create_client(Transport())
         try:
             response = await c.send(httpx.Request("POST", server.url, content=b"{}"), "up")
