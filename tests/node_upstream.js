@@ -9,6 +9,8 @@ const http = require("http");
 const zlib = require("zlib");
 
 const seen = [];
+const closedEarly = []; // x-hold values of held streams whose client closed them
+const closeWaiters = [];
 
 function pickEncoding(req) {
   const offered = (req.headers["accept-encoding"] || "").toLowerCase();
@@ -43,6 +45,19 @@ function stream(req, res) {
   if (z) z.pipe(res);
   // x-events: how many token events (3 unless asked), each written and flushed on its own
   const all = events(Number(req.headers["x-events"] || 3));
+  // x-hold: the first event, then nothing until the client goes (a stalled generation);
+  // its early close is recorded for /_stats.
+  if (req.headers["x-hold"]) {
+    const name = req.headers["x-hold"];
+    res.on("close", () => {
+      if (res.writableEnded) return;
+      closedEarly.push(name);
+      for (const waiter of closeWaiters.splice(0)) waiter();
+    });
+    sink.write(all[0]);
+    if (z) z.flush(encoding === "br" ? zlib.constants.BROTLI_OPERATION_FLUSH : zlib.constants.Z_SYNC_FLUSH);
+    return;
+  }
   let i = 0;
   const next = () => {
     if (i === all.length) return sink.end();
@@ -68,6 +83,17 @@ const server = http.createServer((req, res) => {
   const chunks = [];
   req.on("data", (c) => chunks.push(c));
   req.on("end", () => {
+    if (req.url.startsWith("/_closed/")) {
+      // Answers once the held stream of that name has been closed by its client.
+      const name = req.url.slice("/_closed/".length);
+      const answer = () => {
+        if (!closedEarly.includes(name)) return closeWaiters.push(answer);
+        res.writeHead(200, { "Content-Type": "text/plain" });
+        res.end("closed");
+      };
+      answer();
+      return;
+    }
     if (req.url === "/_stats") {
       res.writeHead(200, { "Content-Type": "application/json" });
       res.end(JSON.stringify({ seen }));

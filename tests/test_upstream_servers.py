@@ -14,7 +14,7 @@ import os
 import shutil
 import signal
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ import pytest
 
 from proxy import connection
 from tests.conftest import Proxy, ProxyFactory
-from tests.sse_client import chat_body
+from tests.sse_client import chat_body, events, open_stream
 from tests.upstream import free_port
 
 CHAT = "/v1/chat/completions"
@@ -75,6 +75,27 @@ async def node_seen(url: str) -> list[dict[str, Any]]:
     async with httpx.AsyncClient() as client:
         seen: list[dict[str, Any]] = (await client.get(url + "/_stats")).json()["seen"]
         return seen
+
+
+async def test_a_node_stream_superseded_is_closed_at_node_and_its_client_told(
+    make_proxy: ProxyFactory,
+) -> None:
+    # The fence shuts the old upstream socket down itself (Connection.abort): Node must see
+    # its response's connection end, and the newer request be answered on the same turn.
+    turn = {"X-Turn-Id": "node-turn"}
+    async with node_upstream() as url, make_proxy(url) as proxy, proxy.client() as client:
+        async with AsyncExitStack() as stack:
+            held = {**turn, "x-hold": "old"}
+            old = await open_stream(stack, client, CHAT, chat_body("old"), held)
+            old_events = events(old)
+            assert "n0" in (await anext(old_events)).data
+            newer = await client.post(CHAT, json=chat_body("new"), headers=turn)
+            assert newer.status_code == 200 and newer.text.endswith("data: [DONE]\n\n")
+            rest = [e async for e in old_events]
+            assert "stream_superseded" in rest[-1].data
+            # Node answers this once the held stream's connection has ended.
+            closed = await asyncio.wait_for(client.get(url + "/_closed/old"), 10)
+            assert closed.text == "closed"
 
 
 @pytest.mark.parametrize(
