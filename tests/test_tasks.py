@@ -103,9 +103,12 @@ async def test_shielded_the_rest_outlives_a_cancelled_caller_and_its_own_cancel_
 # -- start_eagerly: a task whose first step the caller takes (proxy/eager.py) -----------
 
 
-async def _eagerly(coro: Any, seen: list[Any] | None = None) -> asyncio.Task[Any]:
+async def _eagerly(
+    coro: Any, seen: list[Any] | None = None, *, cancel: bool = False
+) -> asyncio.Task[Any]:
     """`coro`'s task made and its first step taken in a loop callback, outside any task,
-    as uvicorn's data_received does; `seen` gets a marker between the two."""
+    as uvicorn's data_received does; `seen` gets a marker between the two. With `cancel`
+    the task is cancelled in that callback too, before the loop has run it at all."""
     loop = asyncio.get_running_loop()
     made: asyncio.Future[asyncio.Task[Any]] = loop.create_future()
 
@@ -114,6 +117,8 @@ async def _eagerly(coro: Any, seen: list[Any] | None = None) -> asyncio.Task[Any
         if seen is not None:
             seen.append("made")
         step()
+        if cancel:
+            task.cancel()
         made.set_result(task)
 
     loop.call_soon(callback)
@@ -200,17 +205,7 @@ async def test_a_cancellation_before_the_task_first_runs_reaches_the_coroutine(
             ends.append("cancelled where it waited")
             raise
 
-    loop = asyncio.get_running_loop()
-    made: asyncio.Future[asyncio.Task[Any]] = loop.create_future()
-
-    def callback() -> None:
-        task, step = tasks.start_eagerly(loop, request(), contextvars.copy_context())
-        step()
-        task.cancel()  # before the loop ran the task at all
-        made.set_result(task)
-
-    loop.call_soon(callback)
-    task = await made
+    task = await _eagerly(request(), cancel=True)
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 5)
     assert ends == ["cancelled where it waited"]
