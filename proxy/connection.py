@@ -1,10 +1,10 @@
 """One upstream HTTP/1.1 connection for proxy/transport.py: an asyncio.Protocol that
-httptools (C) parses responses for, and the body stream that reads from it.
+httptools (C) parses responses for.
 
-The body of one socket read is handed to the reader as one chunk, and a read costs one
-future at most. A body that comes in many small reads back to back is read in batches
-(proxy/pacing.py). Closing a body before its end closes the connection at once (never
-drains); a finished keep-alive one goes back to its pool (`Pool.release`).
+The body of one socket read is handed to the reader (`transport.Body`) as one chunk, and a
+read costs one future at most. A body that comes in many small reads back to back is read in
+batches (proxy/pacing.py). A connection is closed at once, never drained, when its body is
+closed before its end; a finished keep-alive one goes back to its pool (`Pool.release`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import _socket
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator
 from typing import Any, Protocol, cast
 
 import httptools
@@ -336,43 +335,6 @@ def _shut_down(sock: socket.socket | None) -> None:
         pass  # already reset by the peer: closed all the same
     finally:
         own.detach()
-
-
-class Body(httpx.AsyncByteStream):
-    """A response body. Closing it before its end closes the connection, at once."""
-
-    def __init__(self, conn: Connection, read_timeout: float | None) -> None:
-        self.conn = conn
-        self.read_timeout = read_timeout
-        self.done = False
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        while chunk := await self.read():
-            yield chunk
-
-    async def read(self) -> bytes:
-        """The next chunk of the body, b"" at its end."""
-        conn = self.conn
-        while (chunk := conn.take()) is None:
-            conn.waiter = conn.loop.create_future()
-            try:
-                await conn.wait(conn.waiter, self.read_timeout)
-            except BaseException:
-                conn.close()
-                raise
-            finally:
-                conn.waiter = None
-        return chunk
-
-    def at_end(self) -> bool:
-        """The whole body is in and has been read: the next read returns b"" at once."""
-        conn = self.conn
-        return conn.complete and not conn.buffer and conn.error is None
-
-    async def aclose(self) -> None:
-        if not self.done:
-            self.done = True
-            self.conn.pool.release(self.conn)
 
 
 def keep_alive_expiry(value: bytes, default: float) -> float:

@@ -18,7 +18,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from proxy.generation import Ask, Budget, Generation
+from proxy.buffer import Budget
+from proxy.generation import Ask, Generation
 from proxy.registry import Lease, Registry
 from proxy.upstream import UpstreamClient
 

@@ -17,7 +17,6 @@ still in the buffer stay under the fence.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -27,8 +26,10 @@ from typing import TYPE_CHECKING, Protocol
 import httpx
 
 from proxy import upstream
+from proxy.buffer import Budget, EventBuffer
 from proxy.errors import StreamfenceError, UpstreamError
 from proxy.registry import Lease, Registry
+from proxy.sse import parse_event_id, with_id
 from proxy.tasks import spawn
 from proxy.upstream import UpstreamClient
 
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
     from proxy.registry.genlog import GenerationLog, LogWriter
 
 log = logging.getLogger("streamfence")
-HEARTBEAT = 1.0  # how often a generation with no client here recounts remote readers
 
 
 class Watcher(Protocol):
@@ -48,15 +48,6 @@ class Watcher(Protocol):
     def superseded(self) -> None: ...
 
     async def write_inline(self, events: list[bytes], last: bool = False) -> None: ...
-
-
-@dataclass(slots=True)
-class Budget:
-    """The byte cap over every generation buffer of the process."""
-
-    total: int
-    used: int = 0
-    overflows: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,25 +67,6 @@ class Ask:
     # The bodies of the turn that this generation (or one before it) replaced: a retry of
     # one of them must not replace it in turn.
     retired: frozenset[str] = frozenset()
-
-
-def parse_event_id(last_event_id: bytes) -> tuple[int, int] | None:
-    """The generation token and event number of one of the proxy's `<token>-<n>` ids."""
-    token, _, number = last_event_id.strip().partition(b"-")
-    if not token.isdigit() or not number.isdigit() or len(token) > 20 or len(number) > 12:
-        return None
-    return int(token), int(number)
-
-
-def with_id(event: bytes, event_id: bytes) -> bytes:
-    """`event` with an `id:` line added last, so that it wins over an upstream id of its own."""
-    if event.endswith(b"\r\n"):
-        end = b"\r\n"
-    elif event.endswith(b"\n"):
-        end = b"\n"
-    else:
-        end = b"\r"
-    return event[: -len(end)] + b"id: " + event_id + end + end
 
 
 class Generation:
@@ -119,7 +91,7 @@ class Generation:
         # Published to Redis for followers in other processes (`proxy.remote`), if given.
         self._log = log
         self.writer: LogWriter | None = None
-        self._client, self._registry, self._budget, self._on_end = client, registry, budget, on_end
+        self._client, self._registry, self._on_end = client, registry, on_end
         self.followable = ask.followable
         self.lease: Lease | None = None
         self.response: httpx.Response | None = None
@@ -129,9 +101,7 @@ class Generation:
         self.fenced_at: float | None = None  # when a newer generation's claim fenced this one
         self.closing = False  # its upstream is being closed for want of clients: not followable
         self.error: StreamfenceError | None = None
-        self.events: list[bytes] = []  # events[i] is event number base + i + 1
-        self.base = 0
-        self.size = 0
+        self.buffer = EventBuffer(ask.buffer_bytes, budget)
         self.done = False  # the reader has finished, for any reason
         self.completed = False  # ... and the upstream's whole answer is in the buffer
         self.retained = ask.retain_for > 0  # kept after its clients leave, for replays
@@ -157,7 +127,7 @@ class Generation:
 
     @property
     def last_id(self) -> int:
-        return self.base + len(self.events)
+        return self.buffer.last_id
 
     @property
     def token(self) -> int | None:
@@ -177,7 +147,7 @@ class Generation:
         parsed = parse_event_id(last_event_id)
         if parsed is None or parsed[0] != self.token:
             return None
-        return parsed[1] if self.base <= parsed[1] <= self.last_id else None
+        return parsed[1] if self.buffer.holds(parsed[1]) else None
 
     # -- the reader ---------------------------------------------------------------------
     async def _read(self) -> None:
@@ -251,17 +221,13 @@ class Generation:
             self.closed_at = time.perf_counter()
 
     async def _take(self, events: list[bytes], last: bool = False, *, stamp: bool = True) -> bool:
+        buffer = self.buffer
+        before = buffer.last_id
         if stamp and self.ask.stamp_ids:
-            first = self.last_id + 1
-            events = [with_id(e, self.event_id(first + i)) for i, e in enumerate(events)]
-        before = self.base + len(self.events)
-        self.events += events
+            events = [with_id(e, self.event_id(before + 1 + i)) for i, e in enumerate(events)]
+        buffer.add(events)
         if self.writer is not None:
             self.writer.append(events)
-        added = len(events[0]) if len(events) == 1 else sum(map(len, events))
-        self.size += added
-        budget = self._budget
-        budget.used += added
         self.last_activity = time.monotonic()
         watchers = self._watchers
         sole = next(iter(watchers)) if len(watchers) == 1 else None
@@ -272,9 +238,9 @@ class Generation:
             await sole.write_inline(events, last)
         elif self._waiting:
             self._wake()
-        if self.followable and (self.size > self.ask.buffer_bytes or budget.used > budget.total):
+        if self.followable and buffer.over_cap():
             self._overflow()
-        while not self.followable and self.size > self.ask.buffer_bytes and watchers:
+        while not self.followable and buffer.size > buffer.cap and watchers:
             # Back-pressure: nobody may follow any more, so the buffer keeps only what its
             # clients have yet to write, and the slowest client's pace throttles the upstream.
             self._room.clear()
@@ -283,7 +249,7 @@ class Generation:
 
     def _overflow(self) -> None:
         self.followable = False
-        self._budget.overflows += 1
+        self.buffer.budget.overflows += 1
         log.warning(
             "streamfence: turn %s: its buffer is over its cap; identical requests will start "
             "a new generation instead of following it",
@@ -292,14 +258,7 @@ class Generation:
         self._trim()
 
     def _trim(self) -> None:
-        low = min((w.cursor for w in self._watchers), default=self.last_id)
-        drop = low - self.base
-        if drop > 0:
-            freed = sum(map(len, self.events[:drop]))
-            del self.events[:drop]
-            self.base = low
-            self.size -= freed
-            self._budget.used -= freed
+        self.buffer.drop_through(min((w.cursor for w in self._watchers), default=self.last_id))
         self._room.set()
 
     def _superseded(self) -> None:
@@ -338,13 +297,9 @@ class Generation:
         if self.fenced:
             watcher.superseded()
 
-    def since(self, cursor: int) -> list[bytes]:
-        """The buffered events after number `cursor`."""
-        return self.events[cursor - self.base :] if cursor >= self.base else []
-
     async def wait(self, watcher: Watcher) -> None:
         """Until there is an event after the watcher's cursor, or the reader is done."""
-        while watcher.cursor >= self.base + len(self.events) and not self.done:
+        while watcher.cursor >= self.buffer.last_id and not self.done:
             waiter = self._loop.create_future()
             self._waiting.append(waiter)
             await waiter
@@ -375,11 +330,15 @@ class Generation:
         if not self.done and self.writer is not None and not self.writer.broken:
             # Other processes may read it: they decide, in the background (no await here,
             # where a local twin could attach meanwhile).
-            spawn(self._close_unless_read_elsewhere())
+            spawn(self.writer.hold(self))
             return
-        await self._close_for_want_of_clients()
+        await self.close_for_want_of_clients()
 
-    async def _close_for_want_of_clients(self) -> None:
+    def watched(self) -> bool:
+        """Some client in this process reads this generation."""
+        return bool(self._watchers)
+
+    async def close_for_want_of_clients(self) -> None:
         """No client is left: close the upstream if it is still open, then release."""
         if not self.done:
             self.closing = True
@@ -389,46 +348,13 @@ class Generation:
         if not self.retained:
             await self.end()
 
-    async def _remote_readers(self) -> int:
-        writer = self.writer
-        if writer is None or writer.broken:
-            return 0
-        if writer.readers:
-            return writer.readers
-        try:  # a reader may have registered since the writer last counted; if none has,
-            # the log is ended in the same step, so that none can start following it now
-            return await writer.log.readers(writer.key, writer.token, close_if_none=True)
-        except StreamfenceError:
-            return 0
-
-    async def _close_unless_read_elsewhere(self) -> None:
-        """No client here: the upstream stays open while other processes read the log,
-        and closes once none does (readers are counted with a TTL: a crashed process's
-        stop counting within a few seconds)."""
-        try:
-            while True:
-                readers = await self._remote_readers()
-                if self._watchers:  # a client here again: the last one to leave decides
-                    if not readers and self.writer is not None:
-                        spawn(self.writer.log.reopen(self.writer.key, self.writer.token))
-                    return
-                if self.done or not readers:
-                    break
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.finished.wait(), HEARTBEAT)
-        except Exception:  # whatever went wrong, the upstream and the lease must not leak
-            log.exception("streamfence: counting a generation's readers elsewhere failed")
-        if not self._watchers:
-            await self._close_for_want_of_clients()
-
     async def end(self) -> None:
         """Release the lease and the buffer; once."""
         if self._ended:
             return
         self._ended = True
         self._on_end(self)  # first: the table reads the final event id
-        self._budget.used -= self.size
-        self.events, self.size = [], 0
+        self.buffer.clear()
         if self.lease is not None and self._registry is not None:
             await self._registry.release(self.lease)
         if self.lease is not None:

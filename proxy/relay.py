@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from proxy import dialects
@@ -29,10 +28,7 @@ from proxy.logs import Record
 from proxy.registry import Lease
 from proxy.routing import response_headers
 from proxy.tasks import run_now
-
-Message = dict[str, Any]
-Send = Callable[[Message], Awaitable[None]]
-Receive = Callable[[], Awaitable[Message]]
+from proxy.writes import Exchange, Message, Receive, Send, WriteGuard, error_response_parts
 
 SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 # The largest last write that also ends the response: under the transport's high-water mark
@@ -43,73 +39,6 @@ SUPERSEDED, SHUTDOWN, CLIENT_GONE, WRITE_TIMEOUT = "superseded", "shutdown", "go
 # What a cancellation interrupts: the fence only the serving of events (the client then gets
 # its frame), the race everything (nothing more can reach the client).
 FENCE, RACE = "fence", "race"
-
-
-@dataclass(slots=True)
-class Exchange:
-    """What a subscriber needs to know about its request, beyond its generation."""
-
-    dialect: str
-    turn_short: str  # "" when the request has no turn key
-    source: str  # upstream | followed | resumed | replayed | beside
-    cursor: int  # start after this event number of the generation
-    extra_headers: list[tuple[bytes, bytes]]
-    write_timeout: float = 0.0  # seconds one client write may block; 0: no limit
-
-
-def error_response_parts(
-    error: StreamfenceError, dialect: str, extra: Sequence[tuple[bytes, bytes]] = ()
-) -> tuple[Message, Message]:
-    """The two ASGI messages of an error response in the caller's dialect."""
-    body = dialects.error_body(dialect, error)
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        *extra,
-    ]
-    if not error.retryable:
-        # The official SDKs retry 409 and 5xx unless told not to; a retried fenced
-        # request would fence the winner.
-        headers.append((b"x-should-retry", b"false"))
-    return (
-        {"type": "http.response.start", "status": error.status, "headers": headers},
-        {"type": "http.response.body", "body": body, "more_body": False},
-    )
-
-
-class _WriteGuard:
-    """Calls `expire` once a client write has stayed blocked for `timeout` seconds.
-
-    One timer per subscriber, re-armed lazily, not one per write: a relayed event is one
-    write, and nearly every write returns without blocking."""
-
-    __slots__ = ("_expire", "_timeout", "_timer", "blocked_since", "loop")
-
-    def __init__(self, timeout: float, expire: Callable[[], None]) -> None:
-        self.loop = asyncio.get_running_loop()
-        self._timeout = timeout
-        self._expire = expire
-        self._timer: asyncio.TimerHandle | None = None
-        self.blocked_since: float | None = None  # loop time a write began, None between
-
-    def arm(self) -> None:
-        if self._timer is None:
-            self._timer = self.loop.call_later(self._timeout, self._check)
-
-    def _check(self) -> None:
-        self._timer = None
-        if self.blocked_since is None:
-            return  # no write under way: the next write arms a new timer
-        left = self.blocked_since + self._timeout - self.loop.time()
-        if left <= 0:
-            self._expire()
-        else:
-            self._timer = self.loop.call_later(left, self._check)
-
-    def disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
 
 
 class Subscriber:
@@ -137,7 +66,7 @@ class Subscriber:
         self._cancels = 0  # cancellations of that task requested by _stop
         self._fencing = False  # serving events: a fence cancellation interrupts it
         self._raced = False  # a race cancellation was requested: nothing may swallow it
-        self._guard: _WriteGuard | None = None
+        self._guard: WriteGuard | None = None
         self._send: Send | None = None
         self.cursor = exchange.cursor  # the number of the last event written
         self.parked = False  # waiting in the generation, caught up (it may write for us)
@@ -237,17 +166,8 @@ class Subscriber:
         timeout = self.ex.write_timeout
         if not timeout:
             return send
-        guard = self._guard = _WriteGuard(timeout, lambda: self._stop(WRITE_TIMEOUT, RACE))
-
-        async def send_or_drop(message: Message) -> None:
-            guard.blocked_since = guard.loop.time()
-            guard.arm()
-            try:
-                await send(message)
-            finally:
-                guard.blocked_since = None
-
-        return send_or_drop
+        self._guard = WriteGuard(timeout, lambda: self._stop(WRITE_TIMEOUT, RACE))
+        return self._guard.bound(send)
 
     async def _run(self, send: Send) -> None:
         self._fencing = self.cause is None  # else fenced or aborted before the race began
@@ -303,7 +223,7 @@ class Subscriber:
         """The buffer from this client's cursor, then live; False when the fence dropped it."""
         gen = self.gen
         while True:
-            events = gen.since(self.cursor)
+            events = gen.buffer.since(self.cursor)
             if not events:
                 if gen.done:
                     self.delivered = self.delivered or gen.completed
@@ -401,15 +321,7 @@ class Subscriber:
         await send(body)
 
     def _own_headers(self) -> list[tuple[bytes, bytes]]:
-        """What the caller is told about its turn: hashed key, attempt, how it was served."""
-        headers = list(self.ex.extra_headers)
-        if self.ex.turn_short:
-            headers.append((b"x-streamfence-turn", self.ex.turn_short.encode()))
-            headers.append((b"x-streamfence-source", self.ex.source.encode()))
-        lease = self.gen.lease
-        if lease is not None:
-            headers.append((b"x-streamfence-attempt", str(lease.attempt).encode()))
-        return headers
+        return self.ex.own_headers(None if self.gen.lease is None else self.gen.lease.attempt)
 
     def _finish(self) -> None:
         record = self.record

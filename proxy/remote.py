@@ -27,9 +27,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from proxy import upstream
+from proxy.buffer import Budget
 from proxy.errors import GenerationLost, UpstreamError
-from proxy.generation import Ask, Budget, Generation, parse_event_id
+from proxy.generation import Ask, Generation
 from proxy.registry import Lease
+from proxy.sse import parse_event_id
 from proxy.upstream import UpstreamClient
 
 if TYPE_CHECKING:

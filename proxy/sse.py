@@ -5,6 +5,9 @@ terminators, comments and unknown fields included. The splitter only finds where
 event ends (a blank line, in any of the three line-ending styles of the SSE spec), so that
 the relay writes whole events and can put its own frame between two of them.
 
+The proxy's own event ids (`<generation token>-<event number>`, added last to each event so
+that a `Last-Event-ID` resumes in the generation it names) are written and read here too.
+
 Pure and I/O-free.
 """
 
@@ -185,3 +188,22 @@ def encode_event(data: str, event: str | None = None) -> bytes:
     head = f"event: {event}\n" if event else ""
     body = "".join(f"data: {line}\n" for line in data.split("\n"))
     return (head + body + "\n").encode()
+
+
+def parse_event_id(last_event_id: bytes) -> tuple[int, int] | None:
+    """The generation token and event number of one of the proxy's `<token>-<n>` ids."""
+    token, _, number = last_event_id.strip().partition(b"-")
+    if not token.isdigit() or not number.isdigit() or len(token) > 20 or len(number) > 12:
+        return None
+    return int(token), int(number)
+
+
+def with_id(event: bytes, event_id: bytes) -> bytes:
+    """`event` with an `id:` line added last, so that it wins over an upstream id of its own."""
+    if event.endswith(b"\r\n"):
+        end = b"\r\n"
+    elif event.endswith(b"\n"):
+        end = b"\n"
+    else:
+        end = b"\r"
+    return event[: -len(end)] + b"id: " + event_id + end + end

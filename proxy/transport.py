@@ -24,13 +24,51 @@ import asyncio
 import ssl
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
 from proxy import tunnel
-from proxy.connection import Body, Connection, Key
+from proxy.connection import Connection, Key
 from proxy.egress import EgressPlan
+
+
+class Body(httpx.AsyncByteStream):
+    """A response body. Closing it before its end closes the connection, at once."""
+
+    def __init__(self, conn: Connection, read_timeout: float | None) -> None:
+        self.conn = conn
+        self.read_timeout = read_timeout
+        self.done = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while chunk := await self.read():
+            yield chunk
+
+    async def read(self) -> bytes:
+        """The next chunk of the body, b"" at its end."""
+        conn = self.conn
+        while (chunk := conn.take()) is None:
+            conn.waiter = conn.loop.create_future()
+            try:
+                await conn.wait(conn.waiter, self.read_timeout)
+            except BaseException:
+                conn.close()
+                raise
+            finally:
+                conn.waiter = None
+        return chunk
+
+    def at_end(self) -> bool:
+        """The whole body is in and has been read: the next read returns b"" at once."""
+        conn = self.conn
+        return conn.complete and not conn.buffer and conn.error is None
+
+    async def aclose(self) -> None:
+        if not self.done:
+            self.done = True
+            self.conn.pool.release(self.conn)
 
 
 class Transport(httpx.AsyncBaseTransport):

@@ -15,11 +15,10 @@ import httpx
 
 from proxy import causes, tunnel
 from proxy.config import UpstreamConfig
-from proxy.connection import Body
 from proxy.egress import EgressPlan, ProxyURL
 from proxy.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
 from proxy.sse import SSESplitter
-from proxy.transport import Transport
+from proxy.transport import Body, Transport
 
 # Idle keep-alive connections kept per upstream host, for the next attempt.
 MAX_IDLE_CONNECTIONS = 64

@@ -27,6 +27,7 @@ from websockets.frames import EXTERNAL_CLOSE_CODES
 
 from proxy import dialects
 from proxy.errors import StreamfenceError, UpgradeUnavailable
+from proxy.runtime import Runtime
 from proxy.upstream import ssl_context_for
 from proxy.wsfence import FenceClose, ResponsesFence, TwinTable
 from proxy.wsupgrade import (
@@ -58,8 +59,8 @@ def sendable(code: int | None) -> bool:
 class WebSocketEndpoint:
     """Every WebSocket scope: the proxy's own prefix has none (404)."""
 
-    def __init__(self, runtime: Any) -> None:
-        self.rt = runtime  # proxy.app.Runtime (not imported: app imports this module)
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
         self.twins = TwinTable()
         self._context: ssl.SSLContext | None = None
         self._context_read = False

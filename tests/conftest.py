@@ -9,9 +9,10 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import Runtime, create_app
+from proxy.app import create_app
 from proxy.config import load
 from proxy.listen import Loop
+from proxy.runtime import Runtime
 from proxy.serve import uvicorn_options
 from tests.redis_server import (  # noqa: F401 - fixtures: a Redis server, or a cluster
     redis_server,

@@ -13,12 +13,14 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.generation import Ask, Budget, Generation
+from proxy.buffer import Budget
+from proxy.generation import Ask, Generation
 from proxy.logs import Record
 from proxy.registry import Lease, MemoryRegistry
-from proxy.relay import Exchange, Subscriber
+from proxy.relay import Subscriber
 from proxy.transport import Transport as FastTransport
 from proxy.upstream import UpstreamClient
+from proxy.writes import Exchange
 from tests.upstream import Script, ScriptedUpstream
 
 Item = bytes | Callable[[], object]
@@ -296,7 +298,7 @@ async def test_after_an_overflow_the_reader_waits_for_its_slowest_client() -> No
         await asyncio.sleep(0)  # let the reader and the fast client run as far as they may
     assert not gen.followable  # over its cap: nobody may follow it any more
     assert feed.pulled < 12  # held back by the client that stopped reading
-    assert gen.size <= 200 + len(event)
+    assert gen.buffer.size <= 200 + len(event)
     for task in (slow_task, fast_task):
         task.cancel()
     await asyncio.gather(slow_task, fast_task, return_exceptions=True)
@@ -312,7 +314,7 @@ async def test_a_client_that_stops_reading_holds_back_the_reader_writing_for_it(
     await client.wait_bodies(1)
     for _ in range(500):
         await asyncio.sleep(0)
-    assert feed.pulled < 5 and gen.size <= 200 + len(event)
+    assert feed.pulled < 5 and gen.buffer.size <= 200 + len(event)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     assert feed.closed.is_set()

@@ -22,9 +22,8 @@ import trustme
 
 from proxy import connection, pacing, upstream
 from proxy.config import load
-from proxy.connection import Body
 from proxy.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
-from proxy.transport import Transport
+from proxy.transport import Body, Transport
 from proxy.upstream import create_client, translate_errors
 from tests.conftest import PROXY_LOOP
 

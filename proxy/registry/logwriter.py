@@ -17,11 +17,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from proxy.errors import RegistryUnavailable
+from proxy.errors import RegistryUnavailable, StreamfenceError
 from proxy.registry.connection import COMMAND_TIMEOUT, Call
 from proxy.registry.logreader import DEAD_AFTER
+from proxy.tasks import spawn
 
 if TYPE_CHECKING:
     from proxy.registry.genlog import GenerationLog
@@ -40,6 +41,17 @@ class _Write(NamedTuple):
 
 
 HEARTBEAT_WRITE = _Write("", [], [])
+
+
+class Published(Protocol):
+    """The generation a writer publishes, as `LogWriter.hold` sees it."""
+
+    done: bool  # its reader has finished
+    finished: asyncio.Event  # ... and its upstream is closed
+
+    def watched(self) -> bool: ...  # a client in this process reads it
+
+    async def close_for_want_of_clients(self) -> None: ...
 
 
 class LogWriter:
@@ -117,6 +129,37 @@ class LogWriter:
         await self._idle.wait()
 
     # The publisher's side.
+
+    async def hold(self, generation: Published) -> None:
+        """No client of `generation` is left in this process: its upstream stays open while
+        other processes read the log, and closes once none does (readers are counted with a
+        TTL: a crashed process's stop counting within a few seconds)."""
+        try:
+            while True:
+                readers = await self._readers_now()
+                if generation.watched():  # a client here again: the last one to leave decides
+                    if not readers:
+                        spawn(self.log.reopen(self.key, self.token))
+                    return
+                if generation.done or not readers:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(generation.finished.wait(), HEARTBEAT)
+        except Exception:  # whatever went wrong, the upstream and the lease must not leak
+            log.exception("streamfence: counting a generation's readers elsewhere failed")
+        if not generation.watched():
+            await generation.close_for_want_of_clients()
+
+    async def _readers_now(self) -> int:
+        if self.broken:
+            return 0
+        if self.readers:
+            return self.readers
+        try:  # a reader may have registered since the writer last counted; if none has,
+            # the log is ended in the same step, so that none can start following it now
+            return await self.log.readers(self.key, self.token, close_if_none=True)
+        except StreamfenceError:
+            return 0
 
     def take(self, now: float) -> Call | None:
         """The next write to send, as a script call; None if there is none (or one is

@@ -9,9 +9,9 @@ import gc
 import os
 from typing import Any
 
-from proxy.app import Runtime
 from proxy.errors import StreamfenceError
 from proxy.logs import Record
+from proxy.runtime import Runtime
 
 WAIT_LIMIT = 60.0  # seconds: a hang fails the test instead of the whole run
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from proxy.app import Runtime
+from proxy.runtime import Runtime
 from tests.sse_client import Event, events
 from tests.stress import harness
 from tests.upstream import ScriptedUpstream, Seen

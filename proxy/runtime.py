@@ -1,0 +1,90 @@
+"""What the lifespan creates and every request shares: the configuration, the registry,
+the upstream client, the generations, metrics, the status board and the requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from typing import Protocol
+
+from proxy import logs, status, tracing
+from proxy.buffer import Budget
+from proxy.config import Config
+from proxy.errors import ShuttingDown, StreamfenceError
+from proxy.follow import Generations, Policy
+from proxy.logs import Record
+from proxy.metrics import Metrics
+from proxy.registry import Registry
+from proxy.routing import Router
+from proxy.upstream import UpstreamClient
+
+ACCESS_TOKEN_HEADER = b"x-streamfence-token"
+
+
+class InFlight(Protocol):
+    """A request in flight as the status page and the shutdown drain see it: an HTTP
+    client of a generation (`proxy.relay.Subscriber`) or a WebSocket attempt."""
+
+    record: Record
+
+    def abort(self, error: ShuttingDown) -> None: ...
+
+
+class Runtime:
+    """One per app; its upstream client and generations are made in the lifespan."""
+
+    def __init__(self, config: Config, registry: Registry) -> None:
+        self.config = config
+        self.registry = registry
+        self.router = Router(config.upstream)
+        self.metrics = Metrics()
+        registry.unavailable_hook = self.metrics.registry_unavailable.inc
+        self.client: UpstreamClient | None = None
+        self.turn_header = config.turns.header.lower().encode("latin-1")
+        self.drop_headers = {self.turn_header, ACCESS_TOKEN_HEADER}
+        self.token = config.server.access_token.encode()
+        self.active: set[InFlight] = set()  # in flight: for the status page and shutdown
+        self._idle = asyncio.Event()  # set while nothing is in flight
+        self._idle.set()
+        self.budget = Budget(config.server.join_buffer_total_bytes)
+        self.generations: Generations | None = None  # with the client, in the lifespan
+        self.status = status.StatusBoard(up.name for up in config.upstream)
+        self.tracer = tracing.create(config.tracing)  # None unless tracing is on
+        self.policies = {
+            up.name: Policy(up.on_retry, up.healthy_within, up.replay_fingerprints)
+            for up in config.upstream
+        }
+
+    def begin(self, relay: InFlight) -> None:
+        self.active.add(relay)
+        self._idle.clear()
+        self.status.changed()
+
+    def end(self, relay: InFlight) -> None:
+        self.active.discard(relay)
+        if not self.active:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Until every relay in flight has finished (lease released, record observed):
+        a client may hold its whole response a moment before that."""
+        await self._idle.wait()
+
+    def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        if not self.token:
+            return True
+        given = next((v for n, v in headers if n == ACCESS_TOKEN_HEADER), b"")
+        return hmac.compare_digest(given, self.token)
+
+    def finished(self, record: Record, error: StreamfenceError | None) -> None:
+        kind = getattr(error, "kind", None)
+        record.cause = getattr(error, "cause", "")
+        self.metrics.observe(record, kind)
+        self.metrics.in_flight.dec()
+        if record.fenced_generation:  # once per generation, not per follower
+            logs.log_supersede(record, self.config.server.log_format)
+        logs.log_request(record, self.config.server.log_format)
+        self.status.finished(record, error)
+        if self.tracer is not None:
+            self.tracer.end(record)
