@@ -13,8 +13,8 @@ from typing import Any
 from proxy import dialects, follow, remote, routing, turns
 from proxy.config import UpstreamConfig
 from proxy.errors import BodyTooLarge, NoRoute, StaleRetry, StreamfenceError, Unauthorized
-from proxy.follow import Attempt, Decision
-from proxy.generation import Ask, Generation
+from proxy.follow import Ask, Attempt, Decision
+from proxy.generation import Generation
 from proxy.logs import Record
 from proxy.registry import Lease
 from proxy.relay import Subscriber

@@ -1,8 +1,8 @@
 """The project's exception tree.
 
 Third-party exceptions (httpx, redis) are translated into these at one boundary each
-(`proxy.upstream` and `proxy.registry.redis`); `proxy.app` turns them into responses in
-one place, in the caller's dialect.
+(`proxy.upstream` and `proxy.registry.connection`); `proxy.writes` turns them into
+responses in one place, in the caller's dialect (its frames mid-stream: `proxy.dialects`).
 
     StreamfenceError             status  code
     ├── BadRequest                 400   bad_request       (invalid X-Turn-Id, ...)

@@ -18,8 +18,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
+import httpx
+
 from proxy.buffer import Budget
-from proxy.generation import Ask, Generation
+from proxy.generation import Generation
 from proxy.registry import Lease, Registry
 from proxy.upstream import UpstreamClient
 
@@ -37,6 +39,25 @@ KEPT: Final = 4096  # turns whose last generation the table remembers, per memor
 # client that retries a 409 with backoff (the Vercel AI SDK: 2 s, then 4 s) must not get an
 # answer to the old version once the new one has finished, a second writer for the turn.
 RETIRED_SECONDS: Final = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What a generation asks upstream, and how it may be shared."""
+
+    request: httpx.Request
+    upstream: str  # the upstream's name
+    key: str | None  # the turn key; None: never fenced, never fences
+    body_hash: str | None  # what "an identical request" means
+    streaming: bool  # the request's streaming mode
+    max_event_bytes: int
+    buffer_bytes: int  # per generation; over it nobody may follow any more
+    stamp_ids: bool  # add `id: <token>-<n>` to every SSE event (for Last-Event-ID)
+    followable: bool  # kept for followers (False: keyless, beside, on_retry = supersede)
+    retain_for: float = 0.0  # seconds a completed generation stays replayable (replay_window)
+    # The bodies of the turn that this generation (or one before it) replaced: a retry of
+    # one of them must not replace it in turn.
+    retired: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

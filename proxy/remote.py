@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING
 from proxy import upstream
 from proxy.buffer import Budget
 from proxy.errors import GenerationLost, UpstreamError
-from proxy.generation import Ask, Generation
+from proxy.follow import Ask
+from proxy.generation import Generation
 from proxy.registry import Lease
 from proxy.sse import parse_event_id
 from proxy.upstream import UpstreamClient

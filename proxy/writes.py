@@ -2,7 +2,7 @@
 (`Exchange`, its own headers), the ASGI messages of an error response in its dialect, and
 how long one write to it may stay blocked before it is dropped like a client that left.
 
-The relay (`proxy.relay`) and the endpoint (`proxy.app`) write to clients through these.
+The relay (`proxy.relay`) and the endpoint (`proxy.endpoint`) write to clients through these.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from proxy.buffer import Budget
-from proxy.generation import Ask, Generation
+from proxy.follow import Ask
+from proxy.generation import Generation
 from proxy.logs import Record
 from proxy.registry import Lease, MemoryRegistry
 from proxy.relay import Subscriber

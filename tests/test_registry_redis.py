@@ -25,7 +25,8 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from proxy.config import ConfigError, RegistryConfig, load
-from proxy.registry.redis import ACK_WAIT, RedisRegistry
+from proxy.registry.handshake import ACK_WAIT
+from proxy.registry.redis import RedisRegistry
 from proxy.registry.rounds import ROUNDS
 from tests.conftest import Proxy, ProxyFactory
 from tests.redis_server import (
@@ -362,12 +363,12 @@ async def test_a_newer_claim_heard_before_the_own_reply_still_fences(
     try:
         claim = asyncio.create_task(registry.claim("k"))
         await asyncio.sleep(0)  # the claim is now waiting for Redis
-        registry._heard(2**62, 7, 0, "k")  # as if another process's message came first
+        registry._handshake.heard(2**62, 7, 0, "k")  # as if another process's message came first
         lease = await claim
         assert lease.superseded and lease.newer_attempt == 7
         # ...and a message for an older claim never fences a newer holder.
         current = await registry.claim("j")
-        registry._heard(current.token - 1, 1, 0, "j")
+        registry._handshake.heard(current.token - 1, 1, 0, "j")
         assert not current.superseded
         await registry.release(lease)
         await registry.release(current)
@@ -386,26 +387,26 @@ async def test_a_fence_is_confirmed_by_message_only_to_a_claim_of_another_proces
     script twice when it retries, a claim whose message then rightly asks for one.)"""
     registry = RedisRegistry(RegistryConfig(backend="redis", url=single_redis.url))
     acked: list[tuple[str, int]] = []
-    registry._ack = acked.append  # type: ignore[method-assign]
+    registry._handshake.ack = acked.append  # type: ignore[method-assign]
     await registry.start()
     try:
         old = await registry.claim("own")
         new = await registry.claim("own")
         assert old.superseded
         await registry.release(old)
-        registry._heard(new.token, new.attempt, old.token, "own")  # its message, late
+        registry._handshake.heard(new.token, new.attempt, old.token, "own")  # its message, late
         assert acked == []
-        registry._heard(new.token + 1, 9, new.token, "own")  # another process's claim
+        registry._handshake.heard(new.token + 1, 9, new.token, "own")  # another process's claim
         assert acked == [("own", new.token)]
         await registry.release(new)
-        registry._heard(new.token + 2, 10, new.token, "own")  # ...heard after the release
+        registry._handshake.heard(new.token + 2, 10, new.token, "own")  # ...heard after the release
         assert acked == [("own", new.token)] * 2
         # Another process's claim heard while one of ours for the key waits for its reply:
         # confirmed once ours is answered (and is not the same claim).
         held = await registry.claim("pending")
         ours = asyncio.create_task(registry.claim("pending"))
         await asyncio.sleep(0)  # our claim is now waiting for Redis
-        registry._heard(2**62, 7, held.token, "pending")
+        registry._handshake.heard(2**62, 7, held.token, "pending")
         assert acked == [("own", new.token)] * 2
         mine = await ours
         await registry.release(mine)
@@ -467,10 +468,10 @@ async def test_a_retry_goes_ahead_when_the_older_attempts_process_does_not_answe
         waited = time.perf_counter() - started
         assert new.attempt == 2 and not new.superseded and not old.superseded
         assert ACK_WAIT <= waited < 1.0
-        assert (old.key, old.token) not in alive._acked
+        assert (old.key, old.token) not in alive._handshake.acked
         # A process that does answer: the claim returns on its confirmation, not the timeout.
         newer = await third.claim("k")
-        assert (new.key, new.token) in third._acked
+        assert (new.key, new.token) in third._handshake.acked
         assert new.superseded and newer.attempt == 3
         for registry, lease in ((gone, old), (alive, new), (third, newer)):
             await registry.release(lease)

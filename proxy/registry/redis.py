@@ -3,11 +3,10 @@
 Claiming runs one Lua script: take a fencing token, make it the key's holder (with a TTL,
 so a crashed process leaves nothing behind for longer than `lease_ttl`) and publish the
 claim with the token of the holder it replaced. Each process holds one subscription; a
-claim message supersedes the local lease it replaced, so the per-event check stays a local
-attribute read. That process then publishes an acknowledgement, and the claim returns only
-once the replaced attempt's process has confirmed (or after ACK_WAIT, if it is gone): so,
-as within one process, no event of the older attempt is started after the newer one is
-accepted. Only a retry whose predecessor lives in another process waits for this.
+claim message supersedes the local lease it replaced (`book`), so the per-event check stays
+a local attribute read. That process then publishes an acknowledgement, and the claim
+returns only once the replaced attempt's process has confirmed (or after ACK_WAIT, if it is
+gone; `handshake`). Only a retry whose predecessor lives in another process waits for this.
 
 Tokens come from a counter (one per server; one per hash slot in a cluster: see
 `connection`) that never goes below Redis's clock in microseconds: a Redis restarted
@@ -27,7 +26,6 @@ import logging
 import time
 import uuid
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
@@ -36,6 +34,7 @@ from redis.commands.core import AsyncScript
 from proxy.config import RegistryConfig
 from proxy.errors import RegistryUnavailable
 from proxy.registry.base import Lease, Registry
+from proxy.registry.book import Book, ref
 from proxy.registry.connection import (
     COMMAND_TIMEOUT,
     Call,
@@ -46,17 +45,14 @@ from proxy.registry.connection import (
     translate,
 )
 from proxy.registry.genlog import CHECK_EVERY, DEAD_AFTER, READER_TTL, GenerationLog
+from proxy.registry.handshake import Handshake
 from proxy.registry.rounds import Batcher, send_round
 from proxy.registry.scripts import CLAIM, CLAIM_OR_FOLLOW, REFRESH, RELEASE
-from proxy.registry.subscriber import Recent, Subscriber
+from proxy.registry.subscriber import Subscriber
 
 log = logging.getLogger("streamfence")
 
-ACK_WAIT = 0.05  # the longest a claim waits for another process to confirm a fence
 WARN_EVERY = 5.0  # seconds between "forwarding unfenced" warnings while Redis is down
-
-# A lease named across processes: tokens are unique per turn key (see `connection`).
-Ref = tuple[str, int]
 
 
 class Follow(NamedTuple):
@@ -66,25 +62,6 @@ class Follow(NamedTuple):
     attempt: int
     events: int  # published so far
     reader_id: str = ""  # registered as a reader of its log under this id, by the claim
-
-
-class _Heard(NamedTuple):
-    """A claim message: its token and attempt, and the lease it replaced, if that one was
-    this process's and is fenced here (None: nothing here to confirm)."""
-
-    token: int
-    attempt: int
-    prev: int | None
-
-
-@dataclass(slots=True)
-class _Local:
-    holder: Lease  # the newest lease this process holds for the key
-    live: int  # claimed here and not yet released, superseded ones included
-
-
-def _ref(lease: Lease) -> Ref:
-    return (lease.key, lease.token)
 
 
 class RedisRegistry(Registry):
@@ -106,18 +83,11 @@ class RedisRegistry(Registry):
         # one round trip for many, which is when redis-py's per-command cost would tell.
         self._claims = Batcher(self._client, "claim")
         self._releases = Batcher(self._client, "release")
-        self._local: dict[str, _Local] = {}
-        self._by_ref: dict[Ref, Lease] = {}  # claimed here and not yet released
-        self._ended: Recent[Ref] = Recent()  # released here: confirmed as fenced if asked
-        self._acked: Recent[Ref] = Recent()  # confirmed fenced by whichever process held them
-        self._waiters: dict[Ref, list[asyncio.Future[None]]] = {}
-        self._pending: dict[str, int] = {}  # claims in flight per key
-        # Claims heard for a key while one of ours for it is pending (any may be ours):
-        # the newest may fence ours; the fences they made are confirmed once ours is read.
-        self._early: dict[str, list[_Heard]] = {}
+        self._book = Book()  # what this process holds, and what a claim does to it
+        self._handshake = Handshake(self._book, self._publish, self.channel)
         self._unfenced = itertools.count(-1, -1)  # fail-open tokens: never a Redis token
         self._subscriber = Subscriber(
-            self._client, self.channel, self._on_message, self._refresh_all
+            self._client, self.channel, self._handshake.on_message, self._refresh_all
         )
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
@@ -126,7 +96,6 @@ class RedisRegistry(Registry):
         self._log: GenerationLog | None = None
         self._writes: Client | None = None  # the log's own pool, made with the log
         self._reads: Client | None = None  # the log's blocking reads, made with the log
-        self._watched: dict[str, set[Lease]] = {}  # other processes' generations followed here
 
     def generation_log(self) -> GenerationLog:
         """The generation log (`genlog`), on this registry's Redis connection."""
@@ -147,14 +116,10 @@ class RedisRegistry(Registry):
     def watch(self, lease: Lease) -> None:
         """Fence `lease`, a generation of another process followed here, as soon as a newer
         claim of its turn is heard (its own process says so too, but later: in its log)."""
-        self._watched.setdefault(lease.key, set()).add(lease)
+        self._book.watch(lease)
 
     def unwatch(self, lease: Lease) -> None:
-        watched = self._watched.get(lease.key)
-        if watched is not None:
-            watched.discard(lease)
-            if not watched:
-                del self._watched[lease.key]
+        self._book.unwatch(lease)
 
     @staticmethod
     def entry_key(key: str) -> str:
@@ -234,54 +199,31 @@ class RedisRegistry(Registry):
         return answer
 
     async def _claim_with(self, key: str, script: AsyncScript, args: list[str | int]) -> Any:
-        self._pending[key] = self._pending.get(key, 0) + 1
+        self._handshake.claiming(key)
         try:
             reply = await self._claim_shielded(key, script, args)  # errors: ours already
-            early = max(self._early.get(key, ()), key=lambda heard: heard.token, default=None)
+            early = self._handshake.newest_heard(key)
         except RegistryUnavailable:
             if not self.fail_open:
                 raise
             return self._unfenced_lease(key)
         finally:
-            left = self._pending[key] - 1
-            if left:
-                self._pending[key] = left
-            else:
-                del self._pending[key]
-                heard = self._early.pop(key, None)
-                if heard:  # decided once this claim's lease is on the books (same step)
-                    asyncio.get_running_loop().call_soon(self._ack_unless_ours, key, heard)
+            self._handshake.claimed(key)
         if reply[0] == b"follow":
             return Follow(int(reply[1]), int(reply[2]), int(reply[3]))
         if reply[0] == b"beside":
             return "beside"
         token_raw, attempt_raw, prev_raw = reply
         lease = Lease(key, int(token_raw), int(attempt_raw))
-        self._by_ref[_ref(lease)] = lease
-        for watched in list(self._watched.get(key, ())):  # followed here: fenced at once
-            if watched.token < lease.token:
-                watched.supersede(newer_attempt=lease.attempt)
-        local = self._local.get(key)
-        if local is None:
-            self._local[key] = _Local(lease, 1)
-        else:
-            local.live += 1
-            if local.holder.token < lease.token:
-                local.holder.supersede(newer_attempt=lease.attempt)
-                local.holder = lease
-            else:  # a later claim of this process was answered first
-                lease.supersede(newer_attempt=local.holder.attempt)
+        own = self._book.claimed(lease, int(prev_raw))  # the replaced one, if ours: fenced
         if early is not None and early.token > lease.token:
             # Another process's newer claim was heard before this claim's own reply.
             lease.supersede(newer_attempt=early.attempt)
-            self._ack(_ref(lease))
+            self._handshake.ack(ref(lease))
         prev = (key, int(prev_raw))
-        replaced = self._by_ref.get(prev)
-        if replaced is not None:  # this process's own: fenced here and now
-            replaced.supersede(newer_attempt=lease.attempt)
-        elif prev[1] and prev not in self._ended:
+        if not own and prev[1] and prev not in self._book.ended:
             try:
-                await self._confirmed(prev, lease)
+                await self._handshake.confirmed(prev, lease)
             except asyncio.CancelledError:
                 self._spawn(self.release(lease))  # the caller is gone: so is its lease
                 raise
@@ -307,38 +249,13 @@ class RedisRegistry(Registry):
         if call.result()[0] in (b"follow", b"beside"):
             return  # nothing was claimed
         orphan = Lease(key, int(call.result()[0]), int(call.result()[1]))
-        self._ended.add(_ref(orphan))
+        self._book.ended.add(ref(orphan))
         self._spawn(self._release_entry(orphan))
 
-    async def _confirmed(self, prev: Ref, lease: Lease) -> None:
-        """Until the process holding `prev` (replaced by `lease`) says it is fenced."""
-        if prev in self._acked:
-            return
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(prev, []).append(waiter)
-        try:
-            await asyncio.wait_for(waiter, ACK_WAIT)
-        except TimeoutError:
-            # Its process is gone, or cut off from Redis: nothing to wait for any longer.
-            log.warning(
-                "streamfence: turn %s: the older attempt's process did not confirm its fence "
-                "within %d ms; going ahead",
-                lease.key[:16],
-                ACK_WAIT * 1000,
-            )
-        finally:
-            waiters = self._waiters.get(prev, [])
-            if waiter in waiters:
-                waiters.remove(waiter)
-            if not waiters:
-                self._waiters.pop(prev, None)
-
-    def _ack(self, ref: Ref) -> None:
-        """Tell the claimer that replaced `ref` that its attempt is fenced here."""
-
+    def _publish(self, message: str) -> None:
         async def publish() -> None:
             with contextlib.suppress(RegistryUnavailable), translate("confirm"):
-                await self._client.publish(self.channel, f"f {ref[1]} {ref[0]}")
+                await self._client.publish(self.channel, message)
 
         self._spawn(publish())
 
@@ -366,15 +283,8 @@ class RedisRegistry(Registry):
     async def release(self, lease: Lease) -> None:
         if lease.token < 0:
             return  # forwarded unfenced: never entered the registry
-        if self._by_ref.pop(_ref(lease), None) is None:
-            return  # released already
-        self._ended.add(_ref(lease))
-        local = self._local.get(lease.key)
-        if local is not None:
-            local.live -= 1
-            if local.live <= 0:
-                del self._local[lease.key]
-        await self._release_entry(lease)
+        if self._book.released(lease):
+            await self._release_entry(lease)
 
     async def _release_entry(self, lease: Lease) -> None:
         try:
@@ -385,53 +295,7 @@ class RedisRegistry(Registry):
             log.debug("%s; turn %s left to expire", exc.message, lease.key[:16])
 
     def live_keys(self) -> int:
-        return len(self._local)
-
-    def _heard(self, token: int, attempt: int, prev: int, key: str) -> None:
-        """A claim made anywhere (this process included) for `key`, replacing `prev`."""
-        local = self._local.get(key)
-        if local is not None and local.holder.token < token:
-            local.holder.supersede(newer_attempt=attempt)
-        for watched in list(self._watched.get(key, ())):
-            if watched.token < token:
-                watched.supersede(newer_attempt=attempt)
-        replaced = self._by_ref.get((key, prev))
-        if replaced is not None:
-            replaced.supersede(newer_attempt=attempt)
-        fenced = replaced is not None or (key, prev) in self._ended
-        if key in self._pending:  # maybe our own claim, its reply not yet read
-            self._early.setdefault(key, []).append(_Heard(token, attempt, prev if fenced else None))
-        elif fenced:
-            self._ack_unless_ours(key, [_Heard(token, attempt, prev)])
-
-    def _ack_unless_ours(self, key: str, claims: list[_Heard]) -> None:
-        """Confirm the fence of `prev` to each claim made by another process. A claim of
-        this process fenced its own predecessor in its own step: a message would only
-        reach every process's subscriber for nothing (one per supersede, before)."""
-        for claim in claims:
-            if claim.prev is not None and not self._ours((key, claim.token)):
-                self._ack((key, claim.prev))
-
-    def _ours(self, ref: Ref) -> bool:
-        return ref in self._by_ref or ref in self._ended
-
-    def _confirmed_by_holder(self, ref: Ref) -> None:
-        self._acked.add(ref)
-        for waiter in self._waiters.pop(ref, []):
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def _on_message(self, data: bytes) -> None:
-        try:
-            kind, _, rest = data.decode().partition(" ")
-            if kind == "c":
-                token, attempt, prev, key = rest.split(" ", 3)
-                self._heard(int(token), int(attempt), int(prev), key)
-            elif kind == "f":
-                token, key = rest.split(" ", 1)
-                self._confirmed_by_holder((key, int(token)))
-        except (ValueError, UnicodeDecodeError):
-            log.warning("streamfence: ignored a malformed message on %s", self.channel)
+        return len(self._book)
 
     async def _refresher(self) -> None:
         every = max(0.05, self.ttl_ms / 3000)
@@ -447,7 +311,7 @@ class RedisRegistry(Registry):
     async def _refresh_all(self) -> None:
         """Extend the TTL of every entry this process holds, and fence any local holder
         that Redis says was superseded by a claim we did not hear about."""
-        holders = [local.holder for local in self._local.values() if not local.holder.superseded]
+        holders = self._book.holders()
         if not holders:
             return
         calls: list[Call] = [
@@ -462,6 +326,6 @@ class RedisRegistry(Registry):
             token, attempt = reply
             if token is not None and int(token) > lease.token:
                 lease.supersede(newer_attempt=int(attempt))
-                self._ack(_ref(lease))
+                self._handshake.ack(ref(lease))
         if failed is not None:
             raise failed  # a catch-up after (re)subscribing is complete, or tried again
