@@ -5,7 +5,9 @@
 coalescing the batches that queued up meanwhile, and stamps a quiet writer's liveness at
 least every HEARTBEAT. A failed write is tried again until no write of that writer has
 succeeded for DEAD_AFTER; then, or when Redis lost the log, the writer is `broken` (logged
-once): it stops publishing, and its generation carries on locally.
+once): it stops publishing, and its generation carries on locally. When its generation has
+no client left in this process, the writer keeps its upstream open while other processes
+still read the log (`hold`).
 """
 
 from __future__ import annotations
