@@ -28,7 +28,7 @@ from proxy import upstream
 from proxy.buffer import Budget, EventBuffer
 from proxy.errors import StreamfenceError, UpstreamError
 from proxy.registry import Lease, Registry
-from proxy.sse import parse_event_id, with_id
+from proxy.sse import event_id, resumes_after, with_id
 from proxy.tasks import spawn
 from proxy.upstream import UpstreamClient
 
@@ -119,16 +119,14 @@ class Generation:
         return now - self.last_activity < within
 
     def event_id(self, n: int) -> bytes:
-        return b"%d-%d" % (self.token or 0, n)
+        return event_id(self.token or 0, n)
 
     def cursor_after(self, last_event_id: bytes | None) -> int | None:
         """Where a `Last-Event-ID` resumes in this generation, None if it is not one of its."""
-        if last_event_id is None or not self.ask.stamp_ids or self.token is None:
+        if not self.ask.stamp_ids or self.token is None:
             return None
-        parsed = parse_event_id(last_event_id)
-        if parsed is None or parsed[0] != self.token:
-            return None
-        return parsed[1] if self.buffer.holds(parsed[1]) else None
+        number = resumes_after(last_event_id, self.token)
+        return number if number is not None and self.buffer.holds(number) else None
 
     # -- the reader ---------------------------------------------------------------------
     async def _read(self) -> None:

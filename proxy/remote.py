@@ -32,7 +32,7 @@ from proxy.errors import GenerationLost, UpstreamError
 from proxy.follow import Ask
 from proxy.generation import Generation
 from proxy.registry import Lease
-from proxy.sse import parse_event_id
+from proxy.sse import resumes_after
 from proxy.upstream import UpstreamClient
 
 if TYPE_CHECKING:
@@ -42,10 +42,8 @@ if TYPE_CHECKING:
 
 def cursor_after(follow: Follow, last_event_id: bytes | None) -> int | None:
     """Where a `Last-Event-ID` resumes in the remote generation (None: from the start)."""
-    parsed = None if last_event_id is None else parse_event_id(last_event_id)
-    if parsed is None or parsed[0] != follow.token:
-        return None
-    return parsed[1] if parsed[1] <= follow.events else None
+    number = resumes_after(last_event_id, follow.token)
+    return number if number is not None and number <= follow.events else None
 
 
 class RemoteGeneration(Generation):

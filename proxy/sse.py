@@ -190,12 +190,20 @@ def encode_event(data: str, event: str | None = None) -> bytes:
     return (head + body + "\n").encode()
 
 
-def parse_event_id(last_event_id: bytes) -> tuple[int, int] | None:
-    """The generation token and event number of one of the proxy's `<token>-<n>` ids."""
-    token, _, number = last_event_id.strip().partition(b"-")
-    if not token.isdigit() or not number.isdigit() or len(token) > 20 or len(number) > 12:
+def event_id(token: int, number: int) -> bytes:
+    """The proxy's id of event `number` of the generation whose fencing token is `token`."""
+    return b"%d-%d" % (token, number)
+
+
+def resumes_after(last_event_id: bytes | None, token: int) -> int | None:
+    """The event number a `Last-Event-ID` names in generation `token`; None when it is not
+    one of the proxy's ids of that generation (a client's own, another turn's, garbage)."""
+    if last_event_id is None:
         return None
-    return int(token), int(number)
+    given, _, number = last_event_id.strip().partition(b"-")
+    if not given.isdigit() or not number.isdigit() or len(given) > 20 or len(number) > 12:
+        return None
+    return int(number) if int(given) == token else None
 
 
 def with_id(event: bytes, event_id: bytes) -> bytes:

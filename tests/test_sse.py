@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from proxy import sse
 from proxy.errors import MalformedStream
-from proxy.sse import SSESplitter, encode_event, parse_fields
+from proxy.sse import SSESplitter, encode_event, event_id, parse_fields, resumes_after
 
 
 @pytest.fixture(scope="module", autouse=True, params=["rescan", "park"])
@@ -489,3 +489,26 @@ def test_a_long_event_is_scanned_in_linear_time(
     # Each read once (with 3 bytes before it), the event once when it ends, and the rescans
     # of an event still under the parking threshold.
     assert scanned < 2 * len(stream) + 4 * 4096 * (4096 // read + 1), scanned
+
+
+@pytest.mark.parametrize(
+    ("header", "number"),
+    [
+        (b"7-3", 3),
+        (b" 7-0\n", 0),  # as a header value may come
+        (None, None),
+        (b"8-3", None),  # another generation's
+        (b"7-", None),
+        (b"-3", None),
+        (b"7-x", None),
+        (b"7-3-1", None),
+        (b"7-" + b"9" * 13, None),  # a huge number is not an id of ours
+        (b"9" * 21 + b"-3", None),
+        (b"\xff", None),
+    ],
+)
+def test_the_proxys_event_ids_round_trip_and_anything_else_is_no_resume_point(
+    header: bytes | None, number: int | None
+) -> None:
+    assert resumes_after(header, 7) == number
+    assert resumes_after(event_id(7, 41), 7) == 41
