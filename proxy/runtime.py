@@ -11,24 +11,23 @@ from typing import Protocol
 from proxy import logs, status, tracing
 from proxy.buffer import Budget
 from proxy.config import Config
-from proxy.errors import ShuttingDown, StreamfenceError
+from proxy.errors import StreamfenceError
 from proxy.follow import Generations, Policy
 from proxy.logs import Record
 from proxy.metrics import Metrics
 from proxy.registry import Registry
 from proxy.routing import Router
+from proxy.shutdown import Abortable
 from proxy.upstream import UpstreamClient
 
 ACCESS_TOKEN_HEADER = b"x-streamfence-token"
 
 
-class InFlight(Protocol):
-    """A request in flight as the status page and the shutdown drain see it: an HTTP
-    client of a generation (`proxy.relay.Subscriber`) or a WebSocket attempt."""
+class InFlight(Abortable, Protocol):
+    """A request in flight: an HTTP client of a generation (`proxy.relay.Subscriber`) or a
+    WebSocket attempt. The shutdown drain aborts it; the status page reads its record."""
 
     record: Record
-
-    def abort(self, error: ShuttingDown) -> None: ...
 
 
 class Runtime:
@@ -56,13 +55,13 @@ class Runtime:
             for up in config.upstream
         }
 
-    def begin(self, relay: InFlight) -> None:
-        self.active.add(relay)
+    def begin(self, request: InFlight) -> None:
+        self.active.add(request)
         self._idle.clear()
         self.status.changed()
 
-    def end(self, relay: InFlight) -> None:
-        self.active.discard(relay)
+    def end(self, request: InFlight) -> None:
+        self.active.discard(request)
         if not self.active:
             self._idle.set()
 
