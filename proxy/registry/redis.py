@@ -103,9 +103,8 @@ class RedisRegistry(Registry):
             # A pool of its own on one server: a busy process's log appends held every
             # pooled connection, and claims queued behind them until they timed out and
             # failed open, leaving the streams they should fence running. (A cluster
-            # client's pools are unbounded; and a second one, first used by concurrent
-            # calls, set up its slot map twice at once: redis-py 8.1 then wrote on a
-            # connection the other had closed.)
+            # client's pools are unbounded, so one client does; a second one, new, hit the
+            # slot-map race that `connection._Cluster` now avoids.)
             self._writes = self._client if is_cluster(self.config.url) else connect(self.config.url)
             self._reads = connect(
                 self.config.url, command_timeout=COMMAND_TIMEOUT + CHECK_EVERY, queue=False
