@@ -1,6 +1,9 @@
 """A TCP hop a test can cut (a network partition between one proxy and Redis) or slow
 down (`delay`: each chunk arrives that much later, in order, as over a long link).
 
+`lose_reply_to(marker)`: the next request containing `marker` goes through, and its
+connection is closed before the reply comes back: the command ran, its caller cannot know.
+
 While the link is cut, bytes are held, not refused: a partition looks like silence to both
 ends (no RST, no FIN), so each side finds out only through its own timeouts, as on a real
 network. When the link heals, what was held goes through (TCP retransmits), and a
@@ -24,6 +27,8 @@ class Link:
         self._server: asyncio.Server | None = None
         self._pipes: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
+        self._lose: bytes | None = None
+        self.lost = 0  # replies lost so far
 
     @property
     def url(self) -> str:
@@ -34,6 +39,9 @@ class Link:
 
     def heal(self) -> None:
         self._open.set()
+
+    def lose_reply_to(self, marker: bytes) -> None:
+        self._lose = marker
 
     async def __aenter__(self) -> Link:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -61,18 +69,28 @@ class Link:
             writer.close()
             return
         self._writers.add(up_writer)
-        for src, dst in ((reader, up_writer), (up_reader, writer)):
-            task = asyncio.create_task(self._pipe(src, dst))
+        doomed = asyncio.Event()  # a request on this connection is to lose its reply
+        pipes = (self._pipe(reader, up_writer, doomed), self._pipe(up_reader, writer, doomed))
+        for pipe in pipes:
+            task = asyncio.create_task(pipe)
             self._pipes.add(task)
             task.add_done_callback(self._pipes.discard)
 
-    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, doomed: asyncio.Event
+    ) -> None:
         if self.delay:
             await self._delayed(src, dst)
             return
         with contextlib.suppress(OSError):
             while data := await src.read(65536):
                 await self._open.wait()
+                if doomed.is_set():  # the reply: lost, with its connection
+                    self.lost += 1
+                    break
+                if self._lose is not None and self._lose in data:
+                    self._lose = None
+                    doomed.set()
                 dst.write(data)
                 await dst.drain()
         dst.close()

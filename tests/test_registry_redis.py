@@ -25,10 +25,12 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from proxy.config import ConfigError, RegistryConfig, load
+from proxy.registry.base import Lease
 from proxy.registry.handshake import ACK_WAIT
 from proxy.registry.redis import RedisRegistry
 from proxy.registry.rounds import ROUNDS
 from tests.conftest import Proxy, ProxyFactory
+from tests.netlink import Link
 from tests.redis_server import (
     REDIS_SERVER,
     RedisClusterServer,
@@ -347,6 +349,39 @@ async def _redirections(server: Server) -> int:
             stats = await node.info("errorstats")
         total += sum(int(stats.get(f"errorstat_{e}", {}).get("count", 0)) for e in ("MOVED", "ASK"))
     return total
+
+
+@pytest.mark.parametrize("follow", [False, True], ids=["claim", "claim_or_follow"])
+async def test_a_claim_whose_reply_was_lost_is_not_run_twice(
+    single_redis: RedisServer, caplog: pytest.LogCaptureFixture, follow: bool
+) -> None:
+    """redis-py sends a command again after a connection error, and the error may come after
+    Redis ran the script (a reply lost on the way). A claim run twice made a second attempt
+    over its own first one (then waited ACK_WAIT for a fence nobody had to confirm); a claim
+    or follow run twice found its own new generation and answered "follow" it."""
+    async with Link(single_redis.port) as link:
+        registry = RedisRegistry(RegistryConfig(backend="redis", url=link.url))
+        await registry.start()
+
+        async def claim(key: str) -> Any:
+            if follow:
+                return await registry.claim_or_follow(key, "body", True, 5.0, False)
+            return await registry.claim(key)
+
+        try:
+            await registry.wait_subscribed()
+            await registry.release(await claim("warm"))  # the script is loaded: one EVALSHA
+            link.lose_reply_to(b"EVALSHA")
+            lease = await claim("k")
+            assert link.lost == 1  # the reply was lost, and the call was sent again
+            assert isinstance(lease, Lease)
+            assert lease.attempt == 1
+            assert "did not confirm" not in caplog.text
+            await registry.release(lease)
+            again = await claim("k")  # the turn's next claim counts on from there
+            assert isinstance(again, Lease) and again.attempt == 1
+        finally:
+            await registry.close()
 
 
 async def test_a_burst_of_claims_and_releases_goes_in_a_few_round_trips(

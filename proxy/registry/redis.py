@@ -176,7 +176,7 @@ class RedisRegistry(Registry):
         await self._subscriber.subscribed.wait()
 
     async def claim(self, key: str) -> Lease:
-        args: list[str | int] = [self.ttl_ms, self.channel, key]
+        args: list[str | int] = [self.ttl_ms, self.channel, key, uuid.uuid4().hex]
         lease = await self._claim_with(key, self._claim, args)
         assert isinstance(lease, Lease)
         return lease

@@ -3,7 +3,17 @@ and a release can never interleave with another process's."""
 
 from __future__ import annotations
 
-# KEYS: turn entry, token counter. ARGV: ttl ms, channel, turn key.
+# A claim carries an id of its own (`by`), kept in the entry: redis-py sends a command again
+# after a connection error, which may come after Redis ran it (the reply lost on the way).
+# Run again, a claim answers what it answered the first time, instead of claiming over
+# itself (or, in CLAIM_OR_FOLLOW, following its own new generation).
+_AGAIN = """
+local entry = redis.call('HMGET', KEYS[1], 'token', 'attempt', 'by', 'before')
+if entry[3] == by then return {entry[1], entry[2], entry[4]} end
+"""
+
+# KEYS: turn entry, token counter. ARGV: ttl ms, channel, turn key, claim id. Runs after
+# _AGAIN (the entry as read there) and `now` (Redis's TIME).
 _CLAIM = """
 local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
 local token = redis.call('INCR', KEYS[2])
@@ -12,15 +22,20 @@ if token < floor then
   redis.call('SET', KEYS[2], string.format('%d', token))
 end
 local tok = string.format('%d', token)
-local prev = redis.call('HMGET', KEYS[1], 'token', 'attempt')
 local attempt = 1
-if prev[2] then attempt = tonumber(prev[2]) + 1 end
-local before = prev[1] or '0'
-redis.call('HSET', KEYS[1], 'token', tok, 'attempt', attempt)
+if entry[2] then attempt = tonumber(entry[2]) + 1 end
+local before = entry[1] or '0'
+redis.call('HSET', KEYS[1], 'token', tok, 'attempt', attempt, 'before', before, 'by', by)
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 redis.call('PUBLISH', ARGV[2], 'c ' .. tok .. ' ' .. attempt .. ' ' .. before .. ' ' .. ARGV[3])
 """
-CLAIM = "local now = redis.call('TIME')" + _CLAIM + "return {tok, attempt, before}\n"
+CLAIM = (
+    "local by = ARGV[4]"
+    + _AGAIN
+    + "local now = redis.call('TIME')"
+    + _CLAIM
+    + "return {tok, attempt, before}\n"
+)
 
 # The claim of a followable generation (CONTRACT section 3, across processes), atomic: if
 # the turn's holder publishes a log (genlog) for an identical request, in the same streaming
@@ -30,25 +45,26 @@ CLAIM = "local now = redis.call('TIME')" + _CLAIM + "return {tok, attempt, befor
 # another process a moment later finds it. The log's keys are built from the token (same
 # hash tag as the entry: the same slot).
 # KEYS: entry, counter. ARGV: ttl ms, channel, turn key, log prefix (up to the token), body
-# hash, mode, healthy ms, join ('1'/'0'), log ttl ms, maxlen, dead-after ms, reader id,
-# reader ttl ms.
+# hash, mode, healthy ms, join ('1'/'0'), log ttl ms, maxlen, dead-after ms, reader id (also
+# the claim id), reader ttl ms.
 CLAIM_OR_FOLLOW = (
-    """
+    "local by = ARGV[12]"
+    + _AGAIN
+    + """
 local now = redis.call('TIME')
 local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-local holder = redis.call('HMGET', KEYS[1], 'token', 'attempt')
-if holder[1] then
-  local m = redis.call('HMGET', ARGV[4] .. holder[1] .. ':meta', 'body', 'mode', 'at', 'last',
+if entry[1] then
+  local m = redis.call('HMGET', ARGV[4] .. entry[1] .. ':meta', 'body', 'mode', 'at', 'last',
     'ended', 'next')
   if m[1] == ARGV[5] and not m[5] and ms - tonumber(m[3]) <= tonumber(ARGV[11]) then
     local healthy = ms - tonumber(m[4]) < tonumber(ARGV[7])
     if m[2] == ARGV[6] and (healthy or ARGV[8] == '1') then
       -- Counted as a reader from now on: the writer must not close its upstream between
       -- this answer and the follower's first read.
-      local readers = ARGV[4] .. holder[1] .. ':readers'
+      local readers = ARGV[4] .. entry[1] .. ':readers'
       redis.call('ZADD', readers, ms + tonumber(ARGV[13]), ARGV[12])
       redis.call('PEXPIRE', readers, ARGV[9])
-      return {'follow', holder[1], holder[2], m[6] or '0'}
+      return {'follow', entry[1], entry[2], m[6] or '0'}
     end
     if m[2] ~= ARGV[6] and healthy then return {'beside'} end
   end
