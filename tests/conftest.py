@@ -15,6 +15,7 @@ from proxy.listen import Loop
 from proxy.runtime import Runtime
 from proxy.serve import uvicorn_options
 from tests.redis_server import (  # noqa: F401 - fixtures: a Redis server, or a cluster
+    cluster_server,
     redis_server,
     restartable_redis,
     shared_cluster,

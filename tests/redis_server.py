@@ -248,18 +248,23 @@ def shared_cluster() -> Iterator[RedisClusterServer]:
         yield cluster
 
 
+@pytest.fixture
+def cluster_server(shared_cluster: RedisClusterServer) -> Iterator[RedisClusterServer]:
+    """The shared cluster, emptied, for one test."""
+    shared_cluster.flush()
+    # Before too: a connection an earlier test's cluster client dropped may have stayed
+    # referenced past that test's teardown (seen in CI, twice, in the same test).
+    _collect_dropped_connections()
+    try:
+        yield shared_cluster
+    finally:
+        _collect_dropped_connections()
+
+
 @pytest.fixture(params=BACKENDS)
 def redis_server(request: pytest.FixtureRequest) -> Iterator[Server]:
     if request.param == "cluster":
-        cluster: RedisClusterServer = request.getfixturevalue("shared_cluster")
-        cluster.flush()
-        # Before too: a connection an earlier test's cluster client dropped may have stayed
-        # referenced past that test's teardown (seen in CI, twice, in the same test).
-        _collect_dropped_connections()
-        try:
-            yield cluster
-        finally:
-            _collect_dropped_connections()
+        yield request.getfixturevalue("cluster_server")
         return
     with running_redis() as server:
         yield server

@@ -303,13 +303,12 @@ async def test_a_burst_of_concurrent_claims_is_never_forwarded_unfenced(
 
 
 async def test_a_resharded_cluster_moves_claims_without_dropping_any(
-    shared_cluster: RedisClusterServer, caplog: pytest.LogCaptureFixture
+    cluster_server: RedisClusterServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A slot map gone stale (the cluster resharded) is mended slot by slot from the MOVED
     answers. redis-py's default closed the whole client every fifth MOVED instead, with the
     connections of the claims in flight and of the subscription."""
-    shared_cluster.flush()
-    registry = RedisRegistry(RegistryConfig(backend="redis", url=shared_cluster.url))
+    registry = RedisRegistry(RegistryConfig(backend="redis", url=cluster_server.url))
     failed_open: list[None] = []
     registry.unavailable_hook = lambda: failed_open.append(None)
     await registry.start()
@@ -320,12 +319,12 @@ async def test_a_resharded_cluster_moves_claims_without_dropping_any(
         first = client.get_primaries()[0]  # as if it owned every slot: 2 in 3 claims move
         for slot in list(client.nodes_manager.slots_cache):
             client.nodes_manager.slots_cache[slot] = [first]
-        await _reset_stats(shared_cluster)
+        await _reset_stats(cluster_server)
         leases = await asyncio.gather(*(registry.claim(f"moved-{i}") for i in range(300)))
         assert not failed_open
         assert "fencing across processes paused" not in caplog.text
         assert registry.subscribed
-        assert await _redirections(shared_cluster) >= 20  # they did move
+        assert await _redirections(cluster_server) >= 20  # they did move
         await asyncio.gather(*(registry.release(lease) for lease in leases))
     finally:
         await registry.close()
