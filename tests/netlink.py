@@ -41,6 +41,7 @@ class Link:
         self._open.set()
 
     def lose_reply_to(self, marker: bytes) -> None:
+        assert not self.delay, "a delayed link does not lose replies"
         self._lose = marker
 
     async def __aenter__(self) -> Link:

@@ -377,7 +377,7 @@ async def test_a_claim_whose_reply_was_lost_is_not_run_twice(
             assert lease.attempt == 1
             assert "did not confirm" not in caplog.text
             await registry.release(lease)
-            again = await claim("k")  # the turn's next claim counts on from there
+            again = await claim("k")  # the release found its token: the entry went
             assert isinstance(again, Lease) and again.attempt == 1
         finally:
             await registry.close()
