@@ -14,12 +14,15 @@ FROM python:3.11-slim-bookworm AS build
 ENV VIRTUAL_ENV=/opt/streamfence \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml README.md LICENSE ./
+COPY pyproject.toml README.md LICENSE requirements.txt ./
 COPY proxy/ proxy/
-# Every dependency ships wheels, so no compiler is needed; if one ever did not, this step
-# fails loudly here instead of dragging build tools into the final image.
+# The dependencies exactly as uv.lock pins them (requirements.txt is its export, hashes
+# checked), so the image runs what CI tested; then the package itself. Every dependency
+# ships wheels, so no compiler is needed; if one ever did not, this step fails loudly here
+# instead of dragging build tools into the final image.
 RUN python -m venv "$VIRTUAL_ENV" \
-    && "$VIRTUAL_ENV/bin/pip" install --no-cache-dir .
+    && "$VIRTUAL_ENV/bin/pip" install --no-cache-dir --require-hashes -r requirements.txt \
+    && "$VIRTUAL_ENV/bin/pip" install --no-cache-dir --no-deps .
 
 FROM python:3.11-slim-bookworm
 ARG VERSION=0.1.0

@@ -22,10 +22,12 @@ import subprocess
 import sys
 import sysconfig
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 import httpx
 import pytest
+from packaging.markers import Marker
 
 from proxy import __version__
 from tests.upstream import ScriptedUpstream, free_port
@@ -33,7 +35,9 @@ from tests.upstream import ScriptedUpstream, free_port
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
 RUN_INSTALL = re.compile(
-    r'^python -m venv "\$VIRTUAL_ENV" && "\$VIRTUAL_ENV/bin/pip" (install .+)$'
+    r'^python -m venv "\$VIRTUAL_ENV"'
+    r' && "\$VIRTUAL_ENV/bin/pip" (install .*--require-hashes -r requirements\.txt)'
+    r' && "\$VIRTUAL_ENV/bin/pip" (install .*--no-deps \.)$'
 )
 
 
@@ -197,13 +201,36 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = {**os.environ, **BUILD.env(), "VIRTUAL_ENV": str(venv)}
     offline = ["--no-deps", "--no-build-isolation", "--no-index", "--quiet"]
     subprocess.run(
-        [str(venv / "bin" / "python"), "-m", "pip", *shlex.split(match.group(1)), *offline],
+        [str(venv / "bin" / "python"), "-m", "pip", *shlex.split(match.group(2)), *offline],
         cwd=src,
         env=env,
         check=True,
         timeout=300,
     )
     return venv
+
+
+def test_the_image_installs_exactly_the_locked_versions() -> None:
+    """The build's first pip step installs requirements.txt with hashes checked (offline here,
+    it is not run: the package step below borrows this environment's). scripts/lint checks
+    requirements.txt against uv.lock; here, that every pin for this platform is the version
+    this environment, installed from uv.lock, runs: the image runs what CI tested."""
+    (run,) = BUILD.all("RUN")
+    match = RUN_INSTALL.match(run)
+    assert match, f"the build step changed shape; update this test to run it: {run!r}"
+    assert "requirements.txt" in build_context()
+    pins = re.findall(
+        r"^([A-Za-z0-9_.-]+)==([^ ;\\]+)(?: ; ([^\\]+?))? \\$",
+        (ROOT / "requirements.txt").read_text(),
+        re.MULTILINE,
+    )
+    assert len(pins) >= 12, pins
+    here = [
+        (name, version) for name, version, marker in pins if not marker or Marker(marker).evaluate()
+    ]
+    assert {n for n, _ in here} >= {"uvicorn", "starlette", "httpx", "redis", "websockets"}
+    for name, version in here:
+        assert metadata.version(name) == version, name
 
 
 def test_install_steps_make_a_working_command(installed: Path, tmp_path: Path) -> None:

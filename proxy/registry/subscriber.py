@@ -90,7 +90,7 @@ class Subscriber:
                 self.subscribed.clear()
                 for pubsub in pubsubs:
                     with contextlib.suppress(RedisError, RedisClusterException, OSError):
-                        await pubsub.aclose()  # type: ignore[no-untyped-call]
+                        await pubsub.aclose()
             await asyncio.sleep(delay)
             delay = min(delay * 2, RECONNECT_MAX)
 
