@@ -167,8 +167,10 @@ def serve(config: Config, log_level: str) -> int:
     except BindError as exc:
         log.error(str(exc))
         return 1
-    announce(startup_lines(config, port=sock.getsockname()[1]), config.server.log_format)
+    # Before the banner: a supervisor that stops the process as soon as it has said it
+    # listens must see exit 0, not "killed by SIGTERM".
     signal.signal(signal.SIGTERM, shutdown.exit_cleanly)  # exit 0 after a graceful stop
+    announce(startup_lines(config, port=sock.getsockname()[1]), config.server.log_format)
     options = uvicorn_options(config)
     try:
         if config.server.workers > 1:
