@@ -67,6 +67,7 @@ def create_app(
             await runtime.registry.close()
             if runtime.tracer is not None:
                 runtime.tracer.shutdown()  # exports the spans still queued
+            drain.report_end()
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})

@@ -47,7 +47,8 @@ class ServerConfig:
     # A client that keeps one write blocked this long (not reading) is dropped and its
     # upstream closed; 0 waits for ever. Flow control already bounds what is buffered.
     write_timeout: float = 60.0
-    log_format: str = "json"
+    # "auto": text on a terminal, JSON otherwise (proxy.logs.resolve_format).
+    log_format: str = "auto"
     workers: int = 1
     # The upstream HTTP client's transport: "fast" (proxy/transport.py, HTTP/1.1 on the event
     # loop with httptools) or "httpx" (httpx's own, httpcore + h11: ~3x the CPU per event,
@@ -128,7 +129,7 @@ class Config:
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "server.log_format": ("json", "text"),
+    "server.log_format": ("auto", "json", "text"),
     "server.http_transport": ("httpx", "fast"),
     "registry.backend": ("memory", "redis"),
     "registry.on_unavailable": ("fail_open", "fail_closed"),

@@ -7,7 +7,8 @@ already hashes; only their first 16 hex digits are shown.
 `configure(level, fmt)` routes every logger of the process (streamfence's, uvicorn's error and
 access loggers, asyncio's, anything else through the root) to one stderr handler. In "json"
 mode every line is one JSON object with `ts` (RFC 3339, UTC), `level`, `logger` and `msg`;
-request and supersede lines add their fields. In "text" mode lines stay for humans.
+request and supersede lines add their fields. In "text" mode lines stay for humans. "auto",
+the default, is text on a terminal and JSON otherwise (`resolve_format`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from types import TracebackType
-from typing import Any
+from typing import IO, Any
 
 logger = logging.getLogger("streamfence")
 # Marks a record whose message is already a whole line in the configured format (the
@@ -302,6 +303,17 @@ def _refused_upgrade(record: logging.LogRecord) -> bool:
     return record.getMessage() != "ASGI callable returned without completing handshake."
 
 
+def resolve_format(fmt: str, stream: IO[str]) -> str:
+    """The format "auto" means for `stream`: text for a person at a terminal, JSON for
+    whatever collects the output (a pipe, a file, a container runtime)."""
+    if fmt != "auto":
+        return fmt
+    try:
+        return "text" if stream.isatty() else "json"
+    except (AttributeError, ValueError):  # no stream, or a closed one
+        return "json"
+
+
 def configure(level: str, fmt: str) -> None:
     global _sink
     handler = logging.StreamHandler(sys.stderr)
@@ -314,8 +326,10 @@ def configure(level: str, fmt: str) -> None:
     logger.handlers.clear()
     logger.setLevel(level.upper())
     logger.propagate = True
-    # The startup lines say where it listens: shown whatever the level, as they always were.
+    # The startup lines say where it listens, the shutdown lines what a stop waits for:
+    # shown whatever the level.
     logging.getLogger("streamfence.startup").setLevel(logging.INFO)
+    logging.getLogger("streamfence.shutdown").setLevel(logging.INFO)
     # uvicorn's information lines repeat the startup lines: only its problems, unless debug.
     uvicorn_level = logging.DEBUG if level.lower() == "debug" else logging.WARNING
     for name in UVICORN_LOGGERS:

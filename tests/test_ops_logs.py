@@ -9,7 +9,9 @@ import io
 import json
 import logging
 import os
+import pty
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -342,6 +344,36 @@ async def test_in_json_mode_every_line_the_process_writes_is_one_json_object(
     assert sorted(r["outcome"] for r in requests) == ["completed", "rejected", "upstream_error"]
     for r in requests:  # request lines keep their own fields
         assert {"method", "path", "status", "turn", "attempt", "duration_ms"} <= set(r)
+
+
+def _first_line_on_a_terminal(*args: str) -> str:
+    """The command's first stderr line, its stderr a terminal (a pty)."""
+    controller, terminal = pty.openpty()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("STREAMFENCE_")}
+    command = [sys.executable, "-m", "proxy", "--upstream", "http://127.0.0.1:9", "--port", "0"]
+    with subprocess.Popen([*command, *args], stderr=terminal, env=clean, cwd=ROOT) as proc:
+        os.close(terminal)
+        try:
+            seen = b""
+            while b"\n" not in seen:
+                ready, _, _ = select.select([controller], [], [], 30)
+                assert ready, "no line within 30 s"
+                seen += os.read(controller, 4096)
+        finally:
+            proc.terminate()
+            proc.wait(20)
+            os.close(controller)
+    return seen.split(b"\n", 1)[0].decode().rstrip("\r")
+
+
+def test_logs_are_text_on_a_terminal_and_json_otherwise() -> None:
+    # --log-format auto, the default: a person at a terminal reads text; a pipe (every
+    # other test here) gets JSON.
+    first = _first_line_on_a_terminal()
+    assert first.startswith("streamfence ") and " listening on http://127.0.0.1:" in first
+    assert not first.startswith("{")
+    asked = json.loads(_first_line_on_a_terminal("--log-format", "json"))
+    assert asked["logger"] == "streamfence.startup"
 
 
 def test_python_warnings_and_uncaught_exceptions_are_json_lines_too() -> None:
