@@ -39,7 +39,11 @@ class Record:
     path: str
     upstream: str = "-"
     dialect: str = "-"
+    # The caller's x-request-id (or the proxy's own when none came), sent upstream as well.
     request_id: str = ""
+    # The upstream's own id for the request (`upstream_request_id`): what the client is
+    # given as x-request-id, since SDKs read that header as the provider's id.
+    upstream_request_id: str = ""
     turn: str = ""  # short hashed turn key, "" when the request has none
     attempt: int = 0
     status: int = 0
@@ -48,7 +52,9 @@ class Record:
     error: str = ""  # an errors.* code when the request failed
     cause: str = ""  # an upstream failure's cause and address (errors.UpstreamError.cause)
     streaming: bool = False
-    source: str = "upstream"  # upstream | beside | followed | resumed | replayed (proxy/follow.py)
+    # upstream | beside | followed | resumed | replayed (proxy/follow.py); "" for a request
+    # the proxy refused (or lost) before any upstream or generation was involved.
+    source: str = "upstream"
     bytes_out: int = 0
     events: int = 0
     dropped: int = 0
@@ -83,6 +89,28 @@ class Record:
     @property
     def ttfb(self) -> float | None:
         return None if self.first_byte_at is None else self.first_byte_at - self.started
+
+
+REFUSED = ""  # Record.source of a request the proxy answered itself, refusing it
+# A client served from a generation another request started: a follow, counted and shown.
+FOLLOWER_SOURCES = frozenset({"followed", "resumed", "replayed"})
+# Where providers put their own request id: OpenAI (and most) x-request-id, Anthropic
+# request-id.
+UPSTREAM_ID_HEADERS = (b"x-request-id", b"request-id")
+
+
+def upstream_request_id(headers: list[tuple[bytes, bytes]]) -> str:
+    """The upstream's own id for a request, from its response headers (names in any case)."""
+    found = ""
+    for name, value in headers:
+        lname = name.lower()
+        if lname in UPSTREAM_ID_HEADERS and 0 < len(value) <= 256:
+            text = value.decode("latin-1")
+            if text.isprintable():
+                if lname == UPSTREAM_ID_HEADERS[0]:
+                    return text
+                found = found or text
+    return found
 
 
 # The raw clock readings are logged as the durations derived from them.

@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, Response
 
 from proxy import __version__
-from proxy.logs import Record
+from proxy.logs import FOLLOWER_SOURCES, Record
 from proxy.statuspage import PAGE, PAGE_HEADERS
 
 RECENT = 50  # supersedes kept for the page
@@ -39,7 +39,6 @@ TTFB_WINDOW = 50  # an upstream's "recent" time to first byte: its last this man
 # While streams are in flight their ages and event counts change continuously: a snapshot
 # this often keeps the page live without sending one per relayed event.
 REFRESH_SECONDS = 1.0
-FOLLOWER_SOURCES = frozenset({"followed", "resumed", "replayed"})
 # A comment line this often when nothing changes, so idle-timeout middleboxes (30-60 s is
 # common) keep the feed open, and a dead browser tab is noticed on the next write.
 PING_SECONDS = 15
