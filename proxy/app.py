@@ -94,8 +94,11 @@ def create_app(
     async def status_page(request: Request) -> Response:
         return await status.page(request, runtime.token)
 
+    healthy_within = {up.name: up.healthy_within for up in config.upstream}
+
     async def status_feed(request: Request) -> Response:
-        return await status.feed(request, runtime.token, runtime.status, runtime.active)
+        board, active = runtime.status, runtime.active
+        return await status.feed(request, runtime.token, board, active, healthy_within)
 
     own_routes = [
         Route("/healthz", healthz),
