@@ -34,7 +34,7 @@ class Range:
     zero_means: str = ""  # what 0 does, where 0 is allowed and special
 
     def problem(self, value: float) -> str | None:
-        notes = "; ".join(n for n in (self.unit, self.zero_means and f"0 {self.zero_means}") if n)
+        notes = "; ".join(n for n in (self.unit, self.zero_means and f"0: {self.zero_means}") if n)
         notes = f" ({notes})" if notes else ""
         if not math.isfinite(value):
             return f"must be a finite number{notes}, not {value!r}"
@@ -65,8 +65,10 @@ RANGES: dict[str, Range] = {
     "upstream.connect_timeout": _SECONDS,
     "upstream.idle_timeout": _SECONDS,
     "upstream.max_event_bytes": _BYTES,
-    # 0 would make adaptive never follow: that is on_retry = "supersede", said plainly.
-    "upstream.healthy_within": _SECONDS,
+    # 0: no running generation is healthy, so an identical retry always replaces it.
+    "upstream.healthy_within": Range(
+        0, unit="seconds", zero_means="every stream counts as stalled"
+    ),
     "upstream.replay_window": Range(0, unit="seconds", zero_means="never replays"),
     "upstream.join_buffer_bytes": _BYTES,
 }
