@@ -51,9 +51,13 @@ def starting_line(in_flight: int, grace: float) -> str:
     )
 
 
-def ended_line(seconds: float, ended: int) -> str:
-    what = "every request in flight finished" if not ended else f"{_requests(ended)} ended"
-    return f"stopped after {seconds:.1f} s: {what}"
+def ended_line(seconds: float, in_flight: int, ended: int) -> str:
+    """`in_flight`: when the shutdown began; `ended`: by the shutdown, with an error event."""
+    if ended:
+        return f"stopped after {seconds:.1f} s: {_requests(ended)} ended by the shutdown"
+    if in_flight:
+        return f"stopped after {seconds:.1f} s: every request in flight finished"
+    return f"stopped after {seconds:.1f} s"
 
 
 class Abortable(Protocol):
@@ -81,6 +85,7 @@ class Drain:
         self.grace = grace
         self.stopping = False
         self._began_at = 0.0
+        self._in_flight = 0  # when the shutdown began
         self._ended: set[int] = set()  # the requests this shutdown ended, by id
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -122,8 +127,8 @@ class Drain:
             self.abort_all()
             return
         self.stopping = True
-        self._began_at = time.monotonic()
-        log.info(starting_line(len(self.active), self.grace))
+        self._began_at, self._in_flight = time.monotonic(), len(self.active)
+        log.info(starting_line(self._in_flight, self.grace))
         self._timer = self._loop.call_later(self.grace, self.abort_all)
 
     def abort_all(self) -> None:
@@ -135,4 +140,5 @@ class Drain:
     def report_end(self) -> None:
         """The shutdown's last line, from the lifespan's end: every connection is closed."""
         if self.stopping:
-            log.info(ended_line(time.monotonic() - self._began_at, len(self._ended)))
+            seconds = time.monotonic() - self._began_at
+            log.info(ended_line(seconds, self._in_flight, len(self._ended)))
