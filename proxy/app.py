@@ -9,6 +9,8 @@ lifespan, never at import time.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -34,6 +36,9 @@ from proxy.runtime import Runtime
 from proxy.upstream import create_client, ssl_context_for
 from proxy.websocket import WebSocketEndpoint
 
+STARTUP_CHECK_SECONDS = 3.0  # the registry's connect and command timeouts are shorter
+startup_log = logging.getLogger("streamfence.startup")
+
 
 def create_app(
     config: Config,
@@ -57,6 +62,7 @@ def create_app(
             log.abandoned_hook = lambda reason: abandoned.labels(reason).inc()
         runtime.generations = Generations(runtime.client, runtime.registry, runtime.budget, log)
         await runtime.registry.start()
+        await _warn_if_unreachable(runtime.registry, config)
         drain = shutdown.Drain(runtime.active, config.server.shutdown_grace)
         drain.install()  # on SIGTERM: streams still running after the grace get an error event
         try:
@@ -67,13 +73,16 @@ def create_app(
             await runtime.registry.close()
             if runtime.tracer is not None:
                 runtime.tracer.shutdown()  # exports the spans still queued
+            drain.report_end()
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
     async def readyz(request: Request) -> Response:
-        ok = runtime.client is not None and await runtime.registry.ready()
-        return JSONResponse({"status": "ready" if ok else "not ready"}, 200 if ok else 503)
+        if runtime.client is None:
+            return JSONResponse({"status": "not ready"}, 503)
+        ok = await runtime.registry.ready()
+        return JSONResponse(*readiness(ok, config.registry.on_unavailable))
 
     async def metrics(request: Request) -> Response:
         if not scrape_authorized(request.headers, runtime.token):
@@ -85,8 +94,11 @@ def create_app(
     async def status_page(request: Request) -> Response:
         return await status.page(request, runtime.token)
 
+    healthy_within = {up.name: up.healthy_within for up in config.upstream}
+
     async def status_feed(request: Request) -> Response:
-        return await status.feed(request, runtime.token, runtime.status, runtime.active)
+        board, active = runtime.status, runtime.active
+        return await status.feed(request, runtime.token, board, active, healthy_within)
 
     own_routes = [
         Route("/healthz", healthz),
@@ -123,6 +135,44 @@ class _App(Starlette):
             await self.websocket(scope, receive, send)  # type: ignore[arg-type]
             return
         await super().__call__(scope, receive, send)
+
+
+def readiness(registry_ok: bool, on_unavailable: str) -> tuple[dict[str, str], int]:
+    """/_streamfence/readyz's body and status. With the registry down, fail_open still
+    serves (unfenced): ready, so that orchestrators keep sending traffic, but saying so;
+    fail_closed refuses keyed requests: not ready."""
+    if registry_ok:
+        return {"status": "ready"}, 200
+    if on_unavailable == "fail_closed":
+        return {
+            "status": "not ready",
+            "registry": "unreachable",
+            "detail": "the turn registry does not answer: requests with a turn key are "
+            "refused with 503 (on_unavailable = fail_closed)",
+        }, 503
+    return {
+        "status": "degraded",
+        "registry": "unreachable",
+        "detail": "the turn registry does not answer: requests are forwarded unfenced "
+        "(on_unavailable = fail_open)",
+    }, 200
+
+
+async def _warn_if_unreachable(registry: Registry, config: Config) -> None:
+    """At startup, not at the first request: a registry that does not answer."""
+    try:
+        reachable = await asyncio.wait_for(registry.reachable(), STARTUP_CHECK_SECONDS)
+    except TimeoutError:
+        reachable = False
+    if reachable:
+        return
+    where = config.registry.url.rpartition("@")[2]  # never its password
+    then = (
+        "requests with a turn key are refused with 503 until it does (fail_closed)"
+        if config.registry.on_unavailable == "fail_closed"
+        else "requests are forwarded unfenced until it does (fail_open)"
+    )
+    startup_log.warning("the turn registry at %s does not answer: %s", where, then)
 
 
 def _make_registry(config: Config) -> Registry:

@@ -7,6 +7,7 @@ every `--help` exit 0. Running the proxy itself is proxy/serve.py.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -16,6 +17,7 @@ from proxy import __version__
 from proxy.config import Config, ConfigError, load
 
 EXAMPLE_URL = "https://github.com/streamfence/streamfence/blob/main/config.example.toml"
+UPSTREAM_ENV = "STREAMFENCE_UPSTREAM_"  # an upstream set in the environment
 COMMANDS = ("serve", "run", "demo", "check-config", "help")  # run: the old name of serve
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # The flag each config key can come from, for error messages that name what the user typed.
@@ -49,7 +51,11 @@ def _serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, help="uvicorn workers (needs the redis registry)")
     p.add_argument("--registry-url", metavar="URL", help="use the redis registry at URL")
     p.add_argument("--access-token", help="callers must send it as x-streamfence-token")
-    p.add_argument("--log-format", choices=("json", "text"), help="log format (default json)")
+    p.add_argument(
+        "--log-format",
+        choices=("auto", "json", "text"),
+        help="log format (default auto: text on a terminal, JSON otherwise)",
+    )
     p.add_argument(
         "--log-level", type=str.lower, choices=LOG_LEVELS, default="info", help="default info"
     )
@@ -98,7 +104,9 @@ def build_parser() -> Parser:
         description="A scripted provider and the proxy on 127.0.0.1: an agent retries a "
         "stalled stream, once straight to the provider and once through streamfence.",
     )
-    demo.add_argument("--pace", type=float, default=0.12, help="seconds between tokens")
+    demo.add_argument(
+        "--pace", type=_pace, default=0.12, help="seconds between tokens (default 0.12)"
+    )
     demo.add_argument("--no-color", action="store_true", help="no colours (also NO_COLOR=1)")
     demo.set_defaults(func=_demo)
 
@@ -120,8 +128,36 @@ def build_parser() -> Parser:
     return top
 
 
+def _pace(text: str) -> float:
+    """--pace: a positive, finite number of seconds. At 0 the provider's stall is no stall,
+    and the demo would "show" a fence that could not happen."""
+    try:
+        pace = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, not {text!r}") from None
+    if not (math.isfinite(pace) and pace > 0):
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, not {text!r}")
+    return pace
+
+
+# `streamfence` alone, with no upstream in the environment either: what a first-time user
+# needs is how to start, not a config error about upstreams.
+FIRST_STEPS = """\
+streamfence: a local proxy for LLM agents: one writer per turn. To start it:
+  streamfence --upstream https://api.openai.com
+then point your client's base_url at http://127.0.0.1:8787/v1. A config file
+instead (every key is in config.example.toml): streamfence --config FILE
+See the fence work first, with no network and no key: streamfence demo
+Every command and option: streamfence --help"""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args_list = list(sys.argv[1:] if argv is None else argv) or ["serve"]
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if not args_list:
+        if not any(name.startswith(UPSTREAM_ENV) for name in os.environ):
+            print(FIRST_STEPS, file=sys.stderr)
+            return 2
+        args_list = ["serve"]  # the Docker image's way: STREAMFENCE_UPSTREAM_URL and no flags
     parser = build_parser()
     first = args_list[0]
     if first not in COMMANDS and not first.startswith("-"):
@@ -183,8 +219,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ConfigError as exc:
+        where = f"{exc.where}: " if exc.where else ""
         for problem in exc.problems:
-            print(f"streamfence: config error: {problem}", file=sys.stderr)
+            print(f"streamfence: config error: {where}{problem}", file=sys.stderr)
         return 2
     from proxy.serve import serve  # noqa: PLC0415 - keep `--help` and check-config fast
 
@@ -199,7 +236,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _check_config(args: argparse.Namespace) -> int:
     """Validate one file on its own (no environment, no flags): every problem, each with its
-    key path, then exit 1; or what the file sets up, then exit 0."""
+    key path, then exit 2 (a config error, as from every command); or what the file sets
+    up, then exit 0."""
     from proxy.serve import startup_lines  # noqa: PLC0415
 
     path = args.file
@@ -207,9 +245,10 @@ def _check_config(args: argparse.Namespace) -> int:
         config = load(path, env={})
     except ConfigError as exc:
         for problem in exc.problems:
-            print(f"{path}: error: {problem}", file=sys.stderr)
-        print(f"{path}: {len(exc.problems)} problem(s) found", file=sys.stderr)
-        return 1
+            print(f"{exc.where or path}: error: {problem}", file=sys.stderr)
+        if len(exc.problems) > 1:
+            print(f"{path}: {len(exc.problems)} problems found", file=sys.stderr)
+        return 2
     print(f"{path}: ok")
     for line in startup_lines(config, verb="would listen on", environ={}):
         print(f"  {line.strip()}")

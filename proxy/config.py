@@ -9,9 +9,11 @@ Each value is checked for its type and choices here, the rules over several valu
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
@@ -23,9 +25,14 @@ MAX_UPSTREAMS = 256  # STREAMFENCE_UPSTREAM_<index>_*: a typo'd huge index must 
 
 
 class ConfigError(Exception):
-    def __init__(self, problems: list[str]) -> None:
-        super().__init__("; ".join(problems))
+    """Every problem found, each "key path: what is wrong". `where` is set when the problem
+    is the file itself (unreadable, not TOML): the file, and the line and column when known
+    (`config.toml:3:6`), which the message then does not repeat."""
+
+    def __init__(self, problems: list[str], where: str = "") -> None:
+        super().__init__("; ".join(f"{where}: {p}" if where else p for p in problems))
         self.problems = problems
+        self.where = where
 
 
 @dataclass(frozen=True)
@@ -40,7 +47,8 @@ class ServerConfig:
     # A client that keeps one write blocked this long (not reading) is dropped and its
     # upstream closed; 0 waits for ever. Flow control already bounds what is buffered.
     write_timeout: float = 60.0
-    log_format: str = "json"
+    # "auto": text on a terminal, JSON otherwise (proxy.logs.resolve_format).
+    log_format: str = "auto"
     workers: int = 1
     # The upstream HTTP client's transport: "fast" (proxy/transport.py, HTTP/1.1 on the event
     # loop with httptools) or "httpx" (httpx's own, httpcore + h11: ~3x the CPU per event,
@@ -121,7 +129,7 @@ class Config:
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "server.log_format": ("json", "text"),
+    "server.log_format": ("auto", "json", "text"),
     "server.http_transport": ("httpx", "fast"),
     "registry.backend": ("memory", "redis"),
     "registry.on_unavailable": ("fail_open", "fail_closed"),
@@ -183,9 +191,18 @@ def _read_toml(path: str) -> dict[str, Any]:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except OSError as exc:
-        raise ConfigError([f"{path}: cannot read: {exc.strerror}"]) from exc
+        raise ConfigError([f"cannot read: {exc.strerror}"], where=path) from exc
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError([f"{path}: not valid TOML: {exc}"]) from exc
+        # tomllib ends its message with "(at line 3, column 6)": moved to the front, as
+        # compilers name a place (file:line:column), so that the file is named once.
+        message, at = str(exc), _TOML_PLACE.search(str(exc))
+        if at is None:
+            raise ConfigError([f"not valid TOML: {message}"], where=path) from exc
+        where = f"{path}:{at['line']}:{at['column']}"
+        raise ConfigError([f"not valid TOML: {message[: at.start()]}"], where=where) from exc
+
+
+_TOML_PLACE = re.compile(r" \(at line (?P<line>\d+), column (?P<column>\d+)\)$")
 
 
 def _from_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -241,8 +258,9 @@ def _apply(data: dict[str, Any], flat: Mapping[str, Any]) -> None:
 
 def from_dict(data: Mapping[str, Any]) -> Config:
     problems: list[str] = []
-    unknown = set(data) - {f.name for f in dataclasses.fields(Config)}
-    problems += [f"{key}: unknown section" for key in sorted(unknown)]
+    sections = [f.name for f in dataclasses.fields(Config)]
+    unknown = set(data) - set(sections)
+    problems += [f"{key}: unknown section{_did_you_mean(key, sections)}" for key in sorted(unknown)]
     server = _build(ServerConfig, data.get("server", {}), "server", problems)
     turns = _build(TurnsConfig, data.get("turns", {}), "turns", problems)
     registry = _build(RegistryConfig, data.get("registry", {}), "registry", problems)
@@ -272,7 +290,7 @@ def _build(cls: type[Any], raw: Any, path: str, problems: list[str]) -> Any:
     values: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in hints:
-            problems.append(f"{path}.{key}: unknown key")
+            problems.append(f"{path}.{key}: unknown key{_did_you_mean(key, hints)}")
             continue
         try:
             values[key] = _coerce(value, hints[key])
@@ -284,6 +302,13 @@ def _build(cls: type[Any], raw: Any, path: str, problems: list[str]) -> Any:
         if choices and value not in choices:
             problems.append(f"{path}.{key}: must be one of {', '.join(choices)}, not {value!r}")
     return cls(**values)
+
+
+def _did_you_mean(key: str, known: Iterable[str]) -> str:
+    """The known key nearest to a mistyped one (heathy_within: healthy_within), if any is
+    near enough to be the one meant."""
+    close = difflib.get_close_matches(str(key).lower(), list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _coerce(value: Any, hint: Any) -> Any:

@@ -24,10 +24,11 @@ import httpx
 import uvicorn
 
 from proxy.app import create_app
-from proxy.config import load
+from proxy.config import UpstreamConfig, load
 
 ANSWER = "The capital of France is Paris . It sits on the Seine .".split()
 STALL_AFTER = 4  # tokens the first attempt sends before it stalls
+DEFAULT_HEALTHY_WITHIN = UpstreamConfig.healthy_within
 
 
 async def until_disconnect(receive: Any, work: Coroutine[Any, Any, None]) -> None:
@@ -236,13 +237,24 @@ async def demo(pace: float, color: bool, out: Out) -> int:
     _tokens(out, direct)
     out("   -> two answers interleaved token by token, and the provider generated both.")
     out()
+    # The agent retries after 4 paces of silence; the proxy calls a generation stalled
+    # after 2 (healthy_within: in real use, under the agent's own stall timeout). Said on
+    # screen: a user who retried after 4 s with the defaults got "followed" and wondered.
+    healthy_within = pace * 2
     out("2) Through streamfence (the agent's base_url points at the proxy):")
+    _wrapped(
+        out,
+        f"For the show, healthy_within is {healthy_within:g} s (twice the pace): a stream "
+        "silent that long is stalled, and a retry replaces it. The default is "
+        f"{DEFAULT_HEALTHY_WITHIN:g} s: a retry within {DEFAULT_HEALTHY_WITHIN:g} s of the "
+        "last token follows the running stream (one upstream request for both); after a "
+        "longer silence it replaces the stream. Keep it below your agent's own stall "
+        "timeout.",
+    )
     screen = Screen(out, color)
     provider = Provider(pace, screen)
     async with _serve(provider) as provider_url:
-        # The agent retries after 4 paces of silence; the proxy calls a generation stalled
-        # after 2 (healthy_within: in real use, under the agent's own stall timeout).
-        overrides = {"upstream.url": provider_url, "upstream.healthy_within": pace * 2}
+        overrides = {"upstream.url": provider_url, "upstream.healthy_within": healthy_within}
         app = create_app(load(env={}, overrides=overrides))
         async with _serve(app) as proxy_url:
             fenced = await _agent(proxy_url, screen, pace)
@@ -260,6 +272,11 @@ async def demo(pace: float, color: bool, out: Out) -> int:
 def _tokens(out: Out, transcript: list[tuple[int, str]]) -> None:
     text = "after the retry: " + _after_retry(transcript)
     for line in textwrap.wrap(text, WIDTH - 3, subsequent_indent="  "):
+        out("   " + line)
+
+
+def _wrapped(out: Out, text: str) -> None:
+    for line in textwrap.wrap(text, WIDTH - 3):
         out("   " + line)
 
 

@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any
 
-from proxy import dialects, follow, remote, routing, turns
+from proxy import dialects, follow, logs, remote, routing, turns
 from proxy.config import UpstreamConfig
 from proxy.errors import BodyTooLarge, NoRoute, StaleRetry, StreamfenceError, Unauthorized
 from proxy.follow import Ask, Attempt, Decision
@@ -55,7 +55,7 @@ class ProxyEndpoint:
         try:
             generation, exchange = await self._accept(path, query, headers, receive, record, own)
         except ClientLeft:
-            record.outcome = "client_gone"
+            record.outcome, record.source = "client_gone", logs.REFUSED
             rt.finished(record, None)
             return
         except NothingLeft:
@@ -65,14 +65,22 @@ class ProxyEndpoint:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             rt.finished(record, None)
             return
-        except StreamfenceError as exc:
+        except StreamfenceError as exc:  # refused by the proxy itself: no upstream served it
             record.outcome, record.status, record.error = "rejected", exc.status, exc.code
+            record.source = logs.REFUSED
             start, body = error_response_parts(exc, record.dialect, own)
             await send(start)
             await send(body)
             rt.finished(record, None)
             return
-        subscriber = Subscriber(generation, exchange, record, rt.finished)
+
+        def finished(record: Record, error: StreamfenceError | None) -> None:
+            # Both ids in the log line: the caller's (or ours), and the upstream's, which
+            # is what the client was given (relay: the upstream's own x-request-id wins).
+            record.upstream_request_id = logs.upstream_request_id(generation.raw_headers)
+            rt.finished(record, error)
+
+        subscriber = Subscriber(generation, exchange, record, finished)
         rt.begin(subscriber)
         try:
             await subscriber(scope, receive, send)

@@ -7,7 +7,8 @@ already hashes; only their first 16 hex digits are shown.
 `configure(level, fmt)` routes every logger of the process (streamfence's, uvicorn's error and
 access loggers, asyncio's, anything else through the root) to one stderr handler. In "json"
 mode every line is one JSON object with `ts` (RFC 3339, UTC), `level`, `logger` and `msg`;
-request and supersede lines add their fields. In "text" mode lines stay for humans.
+request and supersede lines add their fields. In "text" mode lines stay for humans. "auto",
+the default, is text on a terminal and JSON otherwise (`resolve_format`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from types import TracebackType
-from typing import Any
+from typing import IO, Any
 
 logger = logging.getLogger("streamfence")
 # Marks a record whose message is already a whole line in the configured format (the
@@ -38,7 +39,11 @@ class Record:
     path: str
     upstream: str = "-"
     dialect: str = "-"
+    # The caller's x-request-id (or the proxy's own when none came), sent upstream as well.
     request_id: str = ""
+    # The upstream's own id for the request (`upstream_request_id`): what the client is
+    # given as x-request-id, since SDKs read that header as the provider's id.
+    upstream_request_id: str = ""
     turn: str = ""  # short hashed turn key, "" when the request has none
     attempt: int = 0
     status: int = 0
@@ -47,7 +52,9 @@ class Record:
     error: str = ""  # an errors.* code when the request failed
     cause: str = ""  # an upstream failure's cause and address (errors.UpstreamError.cause)
     streaming: bool = False
-    source: str = "upstream"  # upstream | beside | followed | resumed | replayed (proxy/follow.py)
+    # upstream | beside | followed | resumed | replayed (proxy/follow.py); "" for a request
+    # the proxy refused (or lost) before any upstream or generation was involved.
+    source: str = "upstream"
     bytes_out: int = 0
     events: int = 0
     dropped: int = 0
@@ -82,6 +89,28 @@ class Record:
     @property
     def ttfb(self) -> float | None:
         return None if self.first_byte_at is None else self.first_byte_at - self.started
+
+
+REFUSED = ""  # Record.source of a request the proxy answered itself, refusing it
+# A client served from a generation another request started: a follow, counted and shown.
+FOLLOWER_SOURCES = frozenset({"followed", "resumed", "replayed"})
+# Where providers put their own request id: OpenAI (and most) x-request-id, Anthropic
+# request-id.
+UPSTREAM_ID_HEADERS = (b"x-request-id", b"request-id")
+
+
+def upstream_request_id(headers: list[tuple[bytes, bytes]]) -> str:
+    """The upstream's own id for a request, from its response headers (names in any case)."""
+    found = ""
+    for name, value in headers:
+        lname = name.lower()
+        if lname in UPSTREAM_ID_HEADERS and 0 < len(value) <= 256:
+            text = value.decode("latin-1")
+            if text.isprintable():
+                if lname == UPSTREAM_ID_HEADERS[0]:
+                    return text
+                found = found or text
+    return found
 
 
 # The raw clock readings are logged as the durations derived from them.
@@ -302,6 +331,17 @@ def _refused_upgrade(record: logging.LogRecord) -> bool:
     return record.getMessage() != "ASGI callable returned without completing handshake."
 
 
+def resolve_format(fmt: str, stream: IO[str]) -> str:
+    """The format "auto" means for `stream`: text for a person at a terminal, JSON for
+    whatever collects the output (a pipe, a file, a container runtime)."""
+    if fmt != "auto":
+        return fmt
+    try:
+        return "text" if stream.isatty() else "json"
+    except (AttributeError, ValueError):  # no stream, or a closed one
+        return "json"
+
+
 def configure(level: str, fmt: str) -> None:
     global _sink
     handler = logging.StreamHandler(sys.stderr)
@@ -314,8 +354,10 @@ def configure(level: str, fmt: str) -> None:
     logger.handlers.clear()
     logger.setLevel(level.upper())
     logger.propagate = True
-    # The startup lines say where it listens: shown whatever the level, as they always were.
+    # The startup lines say where it listens, the shutdown lines what a stop waits for:
+    # shown whatever the level.
     logging.getLogger("streamfence.startup").setLevel(logging.INFO)
+    logging.getLogger("streamfence.shutdown").setLevel(logging.INFO)
     # uvicorn's information lines repeat the startup lines: only its problems, unless debug.
     uvicorn_level = logging.DEBUG if level.lower() == "debug" else logging.WARNING
     for name in UVICORN_LOGGERS:

@@ -56,7 +56,7 @@ from prometheus_client import (
 )
 
 from proxy import __version__
-from proxy.logs import Record
+from proxy.logs import FOLLOWER_SOURCES, Record
 
 _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -179,7 +179,7 @@ class Metrics:
             self.added_ttfb.observe(max(0.0, record.added_ttfb))
         if error_kind is not None:
             child(self.upstream_errors, up, error_kind).inc()
-        if record.source not in ("upstream", "beside") and record.status != 204:
+        if record.source in FOLLOWER_SOURCES and record.status != 204:
             child(self.follows, up, record.source).inc()
             child(self.saved, up).inc()
             child(self.events_saved, up).inc(record.events)

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -156,7 +157,10 @@ def uvicorn_options(config: Config) -> dict[str, Any]:
 def serve(config: Config, log_level: str) -> int:
     import uvicorn  # noqa: PLC0415 - keep `--help` and check-config fast
 
-    logs.configure(log_level, config.server.log_format)
+    # "auto" decided once, here, for the whole process and its workers (they share stderr).
+    fmt = logs.resolve_format(config.server.log_format, sys.stderr)
+    config = dataclasses.replace(config, server=dataclasses.replace(config.server, log_format=fmt))
+    logs.configure(log_level, fmt)
     try:
         tracing.check(config.tracing)
     except tracing.TracingUnavailable as exc:
@@ -167,8 +171,10 @@ def serve(config: Config, log_level: str) -> int:
     except BindError as exc:
         log.error(str(exc))
         return 1
-    announce(startup_lines(config, port=sock.getsockname()[1]), config.server.log_format)
+    # Before the banner: a supervisor that stops the process as soon as it has said it
+    # listens must see exit 0, not "killed by SIGTERM".
     signal.signal(signal.SIGTERM, shutdown.exit_cleanly)  # exit 0 after a graceful stop
+    announce(startup_lines(config, port=sock.getsockname()[1]), config.server.log_format)
     options = uvicorn_options(config)
     try:
         if config.server.workers > 1:

@@ -6,14 +6,20 @@ uvicorn owns the signals (it installs its handlers around the whole serve, lifes
 included), so the lifespan chains onto its handler rather than replacing it: uvicorn still
 does the stopping, and this module only adds the deadline. uvicorn's own hard timeout is set
 a little later (`uvicorn_timeout`), leaving time for the error events to be written.
+
+Two log lines frame a shutdown: one when it starts (what is in flight, the grace it waits)
+and one when it ends (how long it took, what it had to end), so that a stop that waits is
+never a silent one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import signal
 import threading
+import time
 from collections.abc import Callable, Collection
 from types import FrameType
 from typing import Any, Protocol
@@ -29,6 +35,29 @@ MESSAGE = (
 )
 
 Handler = Callable[[int, FrameType | None], Any] | int | None
+log = logging.getLogger("streamfence.shutdown")
+
+
+def _requests(n: int) -> str:
+    return f"{n} request{'' if n == 1 else 's'}"
+
+
+def starting_line(in_flight: int, grace: float) -> str:
+    if not in_flight:
+        return "shutting down: nothing in flight, stopping now"
+    return (
+        f"shutting down: {_requests(in_flight)} in flight; waiting up to {grace:g} s for "
+        "them to finish, then each gets an error event (a second signal ends them now)"
+    )
+
+
+def ended_line(seconds: float, in_flight: int, ended: int) -> str:
+    """`in_flight`: when the shutdown began; `ended`: by the shutdown, with an error event."""
+    if ended:
+        return f"stopped after {seconds:.1f} s: {_requests(ended)} ended by the shutdown"
+    if in_flight:
+        return f"stopped after {seconds:.1f} s: every request in flight finished"
+    return f"stopped after {seconds:.1f} s"
 
 
 class Abortable(Protocol):
@@ -55,6 +84,9 @@ class Drain:
         self.active = active
         self.grace = grace
         self.stopping = False
+        self._began_at = 0.0
+        self._in_flight = 0  # when the shutdown began
+        self._ended: set[int] = set()  # the requests this shutdown ended, by id
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._installed: dict[int, tuple[Handler, Callable[[int, FrameType | None], None]]] = {}
@@ -90,12 +122,23 @@ class Drain:
     def begin(self) -> None:
         assert self._loop is not None
         if self.stopping:
+            if self.active:
+                log.info(f"shutting down now: ending {_requests(len(self.active))} in flight")
             self.abort_all()
             return
         self.stopping = True
+        self._began_at, self._in_flight = time.monotonic(), len(self.active)
+        log.info(starting_line(self._in_flight, self.grace))
         self._timer = self._loop.call_later(self.grace, self.abort_all)
 
     def abort_all(self) -> None:
         error = ShuttingDown(MESSAGE)
         for relay in list(self.active):
+            self._ended.add(id(relay))
             relay.abort(error)
+
+    def report_end(self) -> None:
+        """The shutdown's last line, from the lifespan's end: every connection is closed."""
+        if self.stopping:
+            seconds = time.monotonic() - self._began_at
+            log.info(ended_line(seconds, self._in_flight, len(self._ended)))

@@ -1,11 +1,12 @@
 """The live status page at /_streamfence/ and its feed at /_streamfence/feed.
 
 One self-contained HTML page (inline CSS and JS, no external assets) that shows the turns in
-flight, the most recent supersedes, the requests by outcome and by error, and each
-upstream's health (its last error and that error's cause, its recent time to first byte),
-updated over SSE; usable from 640 px wide. The `StatusBoard` keeps what the page needs
-beyond `Runtime.active` and wakes the feeds when something changes. It holds hashed turn
-keys and error codes only, never credentials or bodies.
+flight (each healthy or stalled: what a retry of it would do), the most recent supersedes,
+the requests by outcome and by error, and each upstream's health (its last error and that
+error's cause, its recent time to first byte), updated over SSE; usable from 640 px wide.
+The `StatusBoard` keeps what the page needs beyond `Runtime.active` and wakes the feeds
+when something changes. It holds hashed turn keys and error codes only, never credentials
+or bodies.
 
 Both routes honour the access token: the `x-streamfence-token` header, or `?token=` because
 a browser's address bar and `EventSource` cannot send headers.
@@ -21,8 +22,9 @@ import ssl
 import statistics
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import anyio
@@ -31,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, Response
 
 from proxy import __version__
-from proxy.logs import Record
+from proxy.logs import FOLLOWER_SOURCES, Record
 from proxy.statuspage import PAGE, PAGE_HEADERS
 
 RECENT = 50  # supersedes kept for the page
@@ -39,7 +41,6 @@ TTFB_WINDOW = 50  # an upstream's "recent" time to first byte: its last this man
 # While streams are in flight their ages and event counts change continuously: a snapshot
 # this often keeps the page live without sending one per relayed event.
 REFRESH_SECONDS = 1.0
-FOLLOWER_SOURCES = frozenset({"followed", "resumed", "replayed"})
 # A comment line this often when nothing changes, so idle-timeout middleboxes (30-60 s is
 # common) keep the feed open, and a dead browser tab is noticed on the next write.
 PING_SECONDS = 15
@@ -47,6 +48,31 @@ PING_SECONDS = 15
 
 class _Relay(Protocol):
     record: Record
+
+
+class _Generation(Protocol):
+    """What the page reads of a generation (proxy.generation.Generation)."""
+
+    last_activity: float  # time.monotonic()
+
+    def healthy(self, within: float, now: float) -> bool: ...
+
+
+NO_POLICY: Mapping[str, float] = MappingProxyType({})
+
+
+def liveness(relay: object, within: float | None, now: float) -> tuple[str, float | None]:
+    """The state of the generation an HTTP client reads, "healthy" or "stalled", and the
+    seconds since its last content event (or its start): decided by the generation's own rule
+    (`Generation.healthy`, what decides whether a retry follows it or replaces it), from
+    the field that rule reads, never by a second copy of it here. ("", None) for what has
+    no generation (a WebSocket response: its rule lives in proxy/wsfence.py) or no
+    healthy_within. `now` is time.monotonic()."""
+    gen: _Generation | None = getattr(relay, "gen", None)
+    if gen is None or within is None:
+        return "", None
+    state = "healthy" if gen.healthy(within, now) else "stalled"
+    return state, max(0.0, now - gen.last_activity)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,23 +203,32 @@ class StatusBoard:
             )
             health.last_error_at = time.time()
 
-    def snapshot(self, active: Iterable[_Relay]) -> dict[str, Any]:
-        now = time.perf_counter()
-        records = sorted((relay.record for relay in active), key=lambda r: r.started)
+    def snapshot(
+        self, active: Iterable[_Relay], healthy_within: Mapping[str, float] = NO_POLICY
+    ) -> dict[str, Any]:
+        """`healthy_within`: each upstream's, by name, for the turns' health."""
+        now, monotonic = time.perf_counter(), time.monotonic()
+        relays = sorted(active, key=lambda relay: relay.record.started)
         # One row per generation: its first client, and how many follow it.
         rows: dict[object, dict[str, Any]] = {}
-        for r in records:
+        for relay in relays:
+            r = relay.record
             if r.finished_at is not None:
                 continue
             group: object = (r.turn, r.attempt) if r.turn and r.source != "beside" else id(r)
             row = rows.get(group)
             if row is None:
+                within = healthy_within.get(r.upstream)
+                state, silent = liveness(relay, within, monotonic)
                 rows[group] = row = {
                     "turn": r.turn,
                     "upstream": r.upstream,
                     "dialect": r.dialect,
                     "attempt": r.attempt,
                     "age_s": round(now - r.started, 1),
+                    "state": state,
+                    "silent_s": None if silent is None else round(silent, 1),
+                    "healthy_within_s": within if state else None,
                     "events": r.events,
                     "followers": 0,
                 }
@@ -254,7 +289,11 @@ async def page(request: Request, token: bytes) -> Response:
 
 
 async def feed(
-    request: Request, token: bytes, board: StatusBoard, active: Iterable[_Relay]
+    request: Request,
+    token: bytes,
+    board: StatusBoard,
+    active: Iterable[_Relay],
+    healthy_within: Mapping[str, float] = NO_POLICY,
 ) -> Response:
     if not token_ok(request, token):
         return _denied()
@@ -266,7 +305,7 @@ async def feed(
     async def snapshots() -> AsyncIterator[dict[str, str]]:
         while not stopping.is_set():
             change = board.next_change()
-            snap = board.snapshot(active)
+            snap = board.snapshot(active, healthy_within)
             yield {"event": "status", "data": json.dumps(snap, separators=(",", ":"))}
             # Idle: wait for a change (pings keep the connection). Busy: tick for the ages.
             with anyio.move_on_after(REFRESH_SECONDS if snap["in_flight"] else PING_SECONDS * 4):

@@ -78,18 +78,26 @@ function show(s) {
   }, "no upstreams");
   fill("inflight", s.in_flight, (tr, f) => {
     tr.dataset.turn = f.turn;
-    cell(tr, f.turn || "(no turn key)", "mono");
+    tr.dataset.state = f.state;
+    cell(tr, f.turn || "(no turn key)", "mono hash");
     cell(tr, f.upstream);
     cell(tr, f.dialect, "wide");
     cell(tr, f.attempt ? "#" + f.attempt : "-", "num");
     cell(tr, f.followers, "num");
     cell(tr, f.age_s.toFixed(1) + " s", "num");
-    cell(tr, f.events, "num");
+    cell(tr, f.state || "-", f.state ? "state-" + f.state : "");
+    cell(tr, f.silent_s === null ? "-" : f.silent_s.toFixed(1) + " s", "num");
+    cell(tr, f.events, "num wide");
+    if (f.state) {
+      tr.cells[6].title = f.state + ": " + f.silent_s.toFixed(1) + " s since its last "
+        + "content event (healthy within " + f.healthy_within_s + " s); a retry now would "
+        + (f.state === "healthy" ? "follow it" : "replace it");
+    }
   }, "nothing in flight");
   fill("recent", s.recent, (tr, r) => {
     tr.dataset.turn = r.turn;
     cell(tr, new Date(r.at * 1000).toLocaleTimeString(), "num");
-    cell(tr, r.turn, "mono");
+    cell(tr, r.turn, "mono hash");
     cell(tr, r.upstream);
     cell(tr, "#" + r.attempt + " \u2192 #" + (r.by_attempt ?? "?"), "num");
     cell(tr, ms(r.fence_latency_ms), "num");
@@ -138,6 +146,7 @@ th, td { text-align: left; padding: .4rem .75rem; border-bottom: 1px solid var(-
 th { font-weight: 600; color: var(--muted); font-size: .8rem; text-transform: uppercase; }
 td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
 td.mono { font-family: ui-monospace, monospace; }
+td.hash { white-space: nowrap; }
 td.empty { color: var(--muted); text-align: center; }
 .scroll { overflow-x: auto; }
 .counts { display: flex; flex-wrap: wrap; gap: .5rem; list-style: none; padding: 0; margin: 0; }
@@ -147,6 +156,8 @@ td.empty { color: var(--muted); text-align: center; }
 .state-ok { color: var(--ok); font-weight: 600; }
 .state-failing { color: var(--accent); font-weight: 600; }
 .state-idle { color: var(--muted); }
+.state-healthy { color: var(--ok); }
+.state-stalled { color: var(--accent); font-weight: 600; }
 .cols { display: grid; grid-template-columns: 1fr 1fr; gap: 0 1.5rem; }
 /* From 640 px: tiles wrap two by two, the less needed columns step aside. */
 @media (max-width: 760px) {
@@ -199,7 +210,9 @@ PAGE = f"""<!doctype html>
 <div class="scroll"><table>
 <thead><tr><th>turn (hashed)</th><th>upstream</th><th class="wide">dialect</th>
 <th class="num">attempt</th><th class="num">followers</th><th class="num">age</th>
-<th class="num">events relayed</th></tr>
+<th title="healthy: a retry follows it; stalled: a retry replaces it">state</th>
+<th class="num" title="since its last content event, or its start">silent</th>
+<th class="num wide">events relayed</th></tr>
 </thead>
 <tbody id="inflight"></tbody>
 </table></div>

@@ -6,8 +6,10 @@ key path; all of them are reported at once.
 
 from __future__ import annotations
 
+import math
 import os
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -20,28 +22,83 @@ _EXAMPLE_URL = "https://api.openai.com"
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting may take: from `low` (itself allowed or not) to `high`,
+    always finite (an infinite timeout or size is a typo, and `math.ceil(inf)` a crash)."""
+
+    low: float
+    low_allowed: bool = True
+    high: float = math.inf
+    unit: str = ""  # what the number counts, for the message
+    zero_means: str = ""  # what 0 does, where 0 is allowed and special
+
+    def problem(self, value: float) -> str | None:
+        notes = "; ".join(n for n in (self.unit, self.zero_means and f"0: {self.zero_means}") if n)
+        notes = f" ({notes})" if notes else ""
+        if not math.isfinite(value):
+            return f"must be a finite number{notes}, not {value!r}"
+        if self.high != math.inf and not self.low <= value <= self.high:
+            return f"must be between {self.low:g} and {self.high:g}, not {value!r}"
+        if value > self.low or (value == self.low and self.low_allowed):
+            return None
+        if not self.low_allowed:
+            return f"must be more than {self.low:g}{notes}, not {value!r}"
+        if self.low == 0:
+            return f"must be 0 or more{notes}, not {value!r}"
+        return f"must be at least {self.low:g}{notes}, not {value!r}"
+
+
+_SECONDS_OR_NEVER = Range(0, unit="seconds", zero_means="waits for ever")
+_SECONDS = Range(0, low_allowed=False, unit="seconds")
+_BYTES = Range(1, unit="bytes")
+# Every numeric setting, by its key path in the schema; a test checks that none is missing.
+RANGES: dict[str, Range] = {
+    "server.port": Range(0, high=65535),
+    "server.workers": Range(1),
+    "server.max_body_bytes": _BYTES,
+    "server.shutdown_grace": Range(0, unit="seconds", zero_means="ends streams at once"),
+    "server.write_timeout": _SECONDS_OR_NEVER,
+    "server.join_buffer_total_bytes": _BYTES,
+    "server.websocket_max_message_bytes": _BYTES,
+    "registry.lease_ttl": _SECONDS,
+    "upstream.connect_timeout": _SECONDS,
+    "upstream.idle_timeout": _SECONDS,
+    "upstream.max_event_bytes": _BYTES,
+    # 0: no running generation is healthy, so an identical retry always replaces it.
+    "upstream.healthy_within": Range(
+        0, unit="seconds", zero_means="every stream counts as stalled"
+    ),
+    "upstream.replay_window": Range(0, unit="seconds", zero_means="never replays"),
+    "upstream.join_buffer_bytes": _BYTES,
+}
+
+
+def _ranges(section: str, where: str, values: object) -> list[str]:
+    problems = []
+    for path, allowed in RANGES.items():
+        owner, _, key = path.partition(".")
+        if owner != section:
+            continue
+        found = allowed.problem(getattr(values, key))
+        if found is not None:
+            problems.append(f"{where}.{key}: {found}")
+    return problems
+
+
 def problems(config: Config) -> list[str]:
     """Every rule the whole configuration breaks, by key path."""
     problems: list[str] = []
-    if not 0 <= config.server.port <= 65535:
-        problems.append("server.port: must be between 0 and 65535")
-    if config.server.workers < 1:
-        problems.append("server.workers: must be at least 1")
+    problems += _ranges("server", "server", config.server)
+    problems += _ranges("registry", "registry", config.registry)
+    for i, up in enumerate(config.upstream):
+        problems += _ranges("upstream", f"upstream[{i}]", up)
     if config.server.workers > 1 and config.registry.backend == "memory":
         problems.append(
             "server.workers: several workers need a shared registry; the in-memory one lives "
             "in one process, so a retry landing on another worker would fence nothing. "
             'Set [registry] backend = "redis"'
         )
-    for key in ("write_timeout", "shutdown_grace"):
-        if getattr(config.server, key) < 0:
-            problems.append(f"server.{key}: must not be negative")
-    if config.server.max_body_bytes < 1:
-        problems.append("server.max_body_bytes: must be positive")
-    if config.server.websocket_max_message_bytes < 1:
-        problems.append("server.websocket_max_message_bytes: must be positive")
-    if config.registry.lease_ttl <= 0:
-        problems.append("registry.lease_ttl: must be positive (seconds)")
     if config.registry.backend == "redis" and urlsplit(config.registry.url).scheme not in (
         "redis",
         "rediss",
@@ -87,7 +144,4 @@ def problems(config: Config) -> list[str]:
         if same in seen:
             problems.append(f"{where}.prefix: {up.prefix!r} is used by another upstream")
         seen.add(same)
-        for key in ("connect_timeout", "idle_timeout"):
-            if getattr(up, key) <= 0:
-                problems.append(f"{where}.{key}: must be positive")
     return problems

@@ -92,11 +92,18 @@ def test_usage_mistakes_are_one_line_and_exit_2(args: list[str], says: str) -> N
     [
         ([], {"STREAMFENCE_SERVER_PORT": "abc"}, "server.port: must be a number, not 'abc'"),
         ([], {"STREAMFENCE_SERVER_PORT": "abc"}, "(from STREAMFENCE_SERVER_PORT)"),
-        (["--port", "70000"], {}, "server.port: must be between 0 and 65535 (from --port)"),
+        (["--port", "70000"], {}, "server.port: must be between 0 and 65535, not 70000"),
+        (["--port", "70000"], {}, "(from --port)"),
         (["--upstream", "ftp://x.test"], {}, "upstream[0].url: must be an http:// or https://"),
         (["--upstream", "ftp://x.test"], {}, "(from --upstream)"),
         ([], {"STREAMFENCE_UPSTREAM_0_URL": "nope"}, "(from STREAMFENCE_UPSTREAM_0_URL)"),
         ([], {"STREAMFENCE_REGISTRY_ON_UNAVAILABLE": "x"}, "STREAMFENCE_REGISTRY_ON_UNAVAILABLE"),
+        (
+            [],
+            {"STREAMFENCE_UPSTREAM_HEATHY_WITHIN": "5"},
+            "upstream[0].heathy_within: unknown key (did you mean healthy_within?) "
+            "(from STREAMFENCE_UPSTREAM_HEATHY_WITHIN)",
+        ),
     ],
 )
 def test_config_errors_name_the_variable_or_flag_the_value_came_from(
@@ -115,12 +122,79 @@ def test_a_missing_upstream_url_is_required(tmp_path: Path) -> None:
     path = tmp_path / "no-url.toml"
     path.write_text('[[upstream]]\nname = "openai"\n')
     for out in (run("--config", str(path)), run("check-config", str(path))):
-        assert out.returncode in (1, 2)
+        assert out.returncode == 2
         assert "upstream[0].url: required" in out.stderr, out.stderr
-    nothing = run()
-    assert nothing.returncode == 2
-    (line,) = nothing.stderr.splitlines()
+    port_only = run("--port", "9000")  # options, but no upstream
+    assert port_only.returncode == 2
+    (line,) = port_only.stderr.splitlines()
     assert "upstream: at least one upstream is needed (required: --upstream URL" in line
+
+
+@pytest.mark.parametrize(
+    ("args", "file"),
+    [
+        (["check-config", "{bad}"], "bad"),
+        (["check-config", "{missing}"], "missing"),
+        (["check-config", "{broken}"], "broken"),
+        (["--config", "{bad}"], "bad"),
+        (["serve", "--config", "{broken}"], "broken"),
+        (["--config", "{missing}"], "missing"),
+        (["demo", "--pace", "0"], ""),
+        (["demo", "--pace", "-1"], ""),
+        (["demo", "--pace", "inf"], ""),
+        (["check-config", "a", "b"], ""),
+        (["help", "serve", "extra"], ""),
+    ],
+)
+def test_a_config_error_or_a_usage_mistake_exits_2_from_every_command(
+    tmp_path: Path, args: list[str], file: str
+) -> None:
+    files = {
+        "bad": tmp_path / "bad.toml",
+        "broken": tmp_path / "broken.toml",
+        "missing": tmp_path / "missing.toml",
+    }
+    files["bad"].write_text("[[upstream]]\nurl = 'http://127.0.0.1:9'\nhealthy_within = -1\n")
+    files["broken"].write_text("[server\n")
+    out = run(*[a.format(**files) for a in args])
+    assert out.returncode == 2, out.stderr
+    assert out.stdout == "" and out.stderr.strip(), out
+    assert "Traceback" not in out.stderr
+    if file in ("missing", "broken"):  # a problem of the file itself names it
+        assert str(files[file]) in out.stderr
+
+
+def test_streamfence_alone_says_how_to_start() -> None:
+    # A first-time user's first command: how to start, the demo and --help, not a config
+    # error about upstreams.
+    out = run()
+    assert out.returncode == 2
+    assert out.stdout == ""
+    assert "config error" not in out.stderr
+    for step in ("streamfence --upstream https://", "streamfence demo", "streamfence --help"):
+        assert step in out.stderr, out.stderr
+    assert all(len(line) <= 80 for line in out.stderr.splitlines())
+
+
+def test_streamfence_alone_serves_an_upstream_from_the_environment() -> None:
+    # The Docker image's way: no arguments, STREAMFENCE_UPSTREAM_URL set.
+    with subprocess.Popen(
+        [sys.executable, "-m", "proxy"],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("STREAMFENCE_")},
+            "STREAMFENCE_UPSTREAM_URL": "http://127.0.0.1:9",
+            "STREAMFENCE_SERVER_PORT": "0",
+        },
+    ) as proc:
+        try:
+            assert proc.stderr is not None
+            assert "listening on http://127.0.0.1:" in proc.stderr.readline()
+        finally:
+            proc.terminate()
+        assert proc.wait(20) == 0
 
 
 def test_check_config_on_a_valid_file_listens_nowhere(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ The example file and `check-config` have their own tests in tests/test_ops_confi
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 import pytest
 
@@ -15,11 +15,13 @@ from proxy.config import (
     ConfigError,
     RegistryConfig,
     ServerConfig,
+    TracingConfig,
     TurnsConfig,
     UpstreamConfig,
     from_dict,
     load,
 )
+from proxy.validation import RANGES
 
 URL = {"upstream.url": "http://127.0.0.1:9"}
 
@@ -333,3 +335,106 @@ def test_booleans_from_the_environment_mean_what_they_say(raw: str, expected: bo
     }
     (up,) = load(env=env).upstream
     assert up.fingerprint is expected
+
+
+# --- ranges, and the key meant --------------------------------------------------------------
+
+SECTIONS = {
+    "server": ServerConfig,
+    "turns": TurnsConfig,
+    "registry": RegistryConfig,
+    "upstream": UpstreamConfig,
+    "tracing": TracingConfig,
+}
+# Every numeric setting of the schema, with its type.
+NUMBERS = {
+    f"{section}.{name}": hint
+    for section, cls in SECTIONS.items()
+    for name, hint in get_type_hints(cls).items()
+    if hint in (int, float)
+}
+INTEGERS = {key for key, hint in NUMBERS.items() if hint is int}
+
+
+def test_every_numeric_setting_has_its_range() -> None:
+    # A new number in the schema without a range would accept -1 silently, as
+    # healthy_within, replay_window and join_buffer_bytes once did.
+    assert sorted(NUMBERS) == sorted(RANGES)
+
+
+def _out_of_range(tmp_path: Path, key: str, value: float) -> str:
+    """The one problem a file setting `key` to `value` has."""
+    section, name = key.split(".")
+    table = (
+        f"[[{section}]]\nurl = 'http://127.0.0.1:9'" if section == "upstream" else f"[{section}]"
+    )
+    path = tmp_path / "c.toml"
+    path.write_text(f"{table}\n{name} = {value!r}\n")
+    problems = problems_of(path=str(path), env={}, overrides={} if section == "upstream" else URL)
+    where = f"upstream[0].{name}" if section == "upstream" else key
+    assert [p.split(":", 1)[0] for p in problems] == [where], problems
+    return problems[0]
+
+
+@pytest.mark.parametrize("key", sorted(RANGES))
+def test_every_numeric_setting_under_its_range_names_its_key_path(tmp_path: Path, key: str) -> None:
+    allowed = RANGES[key]
+    value: float = allowed.low - 1 if allowed.low_allowed else allowed.low
+    value = int(value) if key in INTEGERS else float(value)
+    assert _out_of_range(tmp_path, key, value).endswith(f", not {value!r}")
+
+
+@pytest.mark.parametrize("key", sorted(set(RANGES) - INTEGERS))
+def test_an_infinite_duration_names_its_key_path(tmp_path: Path, key: str) -> None:
+    # `math.ceil(inf)` in the shutdown timeout was a crash at startup, not a config error.
+    assert "must be a finite number" in _out_of_range(tmp_path, key, float("inf"))
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("upstream.healthy_within", 0),  # every running generation counts as stalled
+        ("upstream.replay_window", 0),
+        ("server.write_timeout", 0),
+        ("server.shutdown_grace", 0),
+        ("server.port", 0),
+        ("upstream.join_buffer_bytes", 1),
+    ],
+)
+def test_the_edges_of_the_ranges_are_accepted(key: str, value: float) -> None:
+    load(env={}, overrides={**URL, key: value})
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        (
+            "[[upstream]]\nurl = 'http://127.0.0.1:9'\nheathy_within = 5\n",
+            "upstream[0].heathy_within: unknown key (did you mean healthy_within?)",
+        ),
+        ("[server]\nprot = 1\n", "server.prot: unknown key (did you mean port?)"),
+        ("[sever]\nport = 1\n", "sever: unknown section (did you mean server?)"),
+        ("[registry]\nonunavailable = 'fail_open'\n", "(did you mean on_unavailable?)"),
+    ],
+)
+def test_an_unknown_key_suggests_the_key_meant(tmp_path: Path, text: str, says: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    problems = problems_of(path=str(path), env={}, overrides={} if "upstream" in text else URL)
+    assert any(says in p for p in problems), problems
+
+
+def test_an_unknown_key_far_from_any_suggests_nothing() -> None:
+    (problem,) = problems_of(env={"STREAMFENCE_SERVER_ZQXJ": "1"}, overrides=URL)
+    assert problem == "server.zqxj: unknown key (from STREAMFENCE_SERVER_ZQXJ)"
+
+
+def test_a_toml_syntax_error_names_the_file_once_with_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "broken.toml"
+    path.write_text('[server]\nport = 1\nhost "x"\n')
+    with pytest.raises(ConfigError) as caught:
+        load(str(path), env={})
+    assert caught.value.where == f"{path}:3:6"
+    (problem,) = caught.value.problems
+    assert problem == "not valid TOML: Expected '=' after a key in a key/value pair"
+    assert str(caught.value).count(str(path)) == 1

@@ -34,9 +34,26 @@ def test_demo_shows_the_fence() -> None:
     assert "attempt 1 error: stream_superseded" in fenced
     assert "attempt 1: connection closed after 4 tokens" in fenced
     assert "OK: one writer per turn." in out.stdout
+    # The demo lowers healthy_within to fit its pace, and says so, with what the default
+    # does: a user who then retried after 4 s with the defaults got "followed", unwarned.
+    said = " ".join(fenced.split())
+    assert "For the show, healthy_within is 0.02 s (twice the pace)" in said
+    assert "The default is 10 s: a retry within 10 s of the last token follows" in said
     too_wide = [line for line in out.stdout.splitlines() if len(line) > 80]
     assert too_wide == []
     assert "\033[" not in out.stdout  # not a terminal: no colours
+
+
+def test_a_pace_that_is_no_pace_is_refused() -> None:
+    # At 0 (or less) the provider's stall is no stall: the demo once ran, showed attempt 1's
+    # tokens after the retry, and said "UNEXPECTED" with exit 1.
+    for pace in ("0", "-1", "nan"):
+        out = subprocess.run(
+            [*DEMO, "--pace", pace], capture_output=True, text=True, timeout=60, cwd=ROOT
+        )
+        assert (out.returncode, out.stdout) == (2, "")
+        (line,) = out.stderr.splitlines()
+        assert f"argument --pace: must be more than 0 seconds, not '{pace}'" in line
 
 
 def test_a_reader_that_closes_the_pipe_ends_the_demo_quietly() -> None:

@@ -86,7 +86,7 @@ def test_check_config_reports_every_problem_with_its_key_path(
 ) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(BAD)
-    assert cli.main(["check-config", str(path)]) == 1
+    assert cli.main(["check-config", str(path)]) == 2
     err = capsys.readouterr().err.splitlines()
     *errors, summary = err
     problems = [line.removeprefix(f"{path}: error: ") for line in errors]
@@ -108,7 +108,7 @@ def test_check_config_reports_every_problem_with_its_key_path(
         "upstream[1].prefix",
         "upstream[1].fingerprint",
     }
-    assert summary == f"{path}: {len(problems)} problem(s) found"
+    assert summary == f"{path}: {len(problems)} problems found"
 
 
 def test_check_config_ignores_the_environment(
@@ -118,7 +118,7 @@ def test_check_config_ignores_the_environment(
     monkeypatch.setenv("STREAMFENCE_UPSTREAM_URL", "https://api.openai.com")
     path = tmp_path / "empty.toml"
     path.write_text("[server]\nport = 9000\n")
-    assert cli.main(["check-config", str(path)]) == 1
+    assert cli.main(["check-config", str(path)]) == 2
     assert "upstream: at least one upstream is needed" in capsys.readouterr().err
 
 
@@ -126,13 +126,16 @@ def test_check_config_on_unreadable_or_broken_files(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     missing = tmp_path / "missing.toml"
-    assert cli.main(["check-config", str(missing)]) == 1
-    assert "cannot read" in capsys.readouterr().err
+    assert cli.main(["check-config", str(missing)]) == 2
+    assert capsys.readouterr().err == f"{missing}: error: cannot read: No such file or directory\n"
     broken = tmp_path / "broken.toml"
     broken.write_text('[server]\nport = 1\nhost = "x\n')
-    assert cli.main(["check-config", str(broken)]) == 1
-    err = capsys.readouterr().err
-    assert "not valid TOML" in err and "line 3" in err
+    for command in (["check-config", str(broken)], ["--config", str(broken)]):
+        assert cli.main(command) == 2
+        # One line, naming the file once, with the line and column of the mistake.
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.count(str(broken)) == 1, line
+        assert f"{broken}:3:10: " in line and "not valid TOML: Illegal character" in line
     assert cli.main(["check-config"]) == 2
     assert "the following arguments are required: FILE" in capsys.readouterr().err
 
@@ -146,7 +149,7 @@ def test_check_config_as_a_command(tmp_path: Path) -> None:
         text=True,
         timeout=30,
     )
-    assert bad.returncode == 1
+    assert bad.returncode == 2  # a config error, as from serve
     assert "upstream[0].url: must be an http:// or https:// URL" in bad.stderr
     good = subprocess.run(
         [sys.executable, "-m", "proxy", "check-config", str(EXAMPLE)],

@@ -9,7 +9,9 @@ import io
 import json
 import logging
 import os
+import pty
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -249,6 +251,68 @@ async def test_request_ids_are_passed_upstream_and_returned(
     assert ids[:2] == ["caller-id-1", made_id]
 
 
+async def test_the_log_line_carries_the_callers_id_and_the_upstreams(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory, log_lines: Lines
+) -> None:
+    # The client is given the upstream's x-request-id (SDKs read it as the provider's id),
+    # and the log line names both, so that either id finds the line. Before, the log had
+    # only the caller's (or the proxy's own) and the upstream's was in no log line.
+    openai_id = {"x-request-id": "prov-8"}
+    async with make_proxy(upstream.url) as proxy, proxy.client() as client:
+        given = await client.post(
+            CHAT,
+            json=chat_body("given", headers=openai_id),
+            headers={"x-request-id": "my-req-42"},
+        )
+        made = await client.post(CHAT, json=chat_body("made", headers=openai_id))
+        anthropic = await client.post(
+            CHAT, json=chat_body("anthropic", headers={"request-id": "req_011"})
+        )
+        silent = await client.post(CHAT, json=chat_body("silent"))
+    assert given.headers["x-request-id"] == made.headers["x-request-id"] == "prov-8"
+    assert anthropic.headers["request-id"] == "req_011"
+    sent = [seen.headers["x-request-id"] for seen in upstream.seen]
+    assert sent[0] == "my-req-42" and re.fullmatch(r"[0-9a-f]{32}", sent[1])
+    assert silent.headers["x-request-id"] == sent[3]  # no upstream id: the proxy's own
+    lines = [(r["request_id"], r["upstream_request_id"]) for r in log_lines.json("request")]
+    assert lines == [
+        ("my-req-42", "prov-8"),
+        (sent[1], "prov-8"),
+        (sent[2], "req_011"),
+        (sent[3], ""),
+    ]
+
+
+async def test_requests_the_proxy_refuses_are_logged_with_no_upstream_source(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory, log_lines: Lines
+) -> None:
+    token = {"x-streamfence-token": "t0ken"}
+    overrides = {"server.access_token": "t0ken", "server.max_body_bytes": 64}
+    async with make_proxy(upstream.url, **overrides) as proxy, proxy.client() as client:
+        refused = [
+            await client.post(CHAT, json=chat_body("no token")),
+            await client.get("/_streamfence", headers=token),  # the reserved prefix itself
+            await client.post(CHAT, json={}, headers={**token, "X-Turn-Id": ""}),
+            await client.post(CHAT, content=b"x" * 100, headers=token),
+        ]
+        served = await client.post(CHAT, json={"model": "m"}, headers=token)
+        metrics = (await client.get("/_streamfence/metrics", headers=token)).text
+    assert [r.status_code for r in refused] == [401, 404, 400, 413]
+    # Nor are they counted as follows (served from another request's generation).
+    assert "\nstreamfence_follows_total{" not in metrics
+    assert served.status_code == 200
+    assert upstream.seen and len(upstream.seen) == 1
+    lines = log_lines.json("request")
+    assert [(r["status"], r["source"]) for r in lines] == [
+        (401, ""),
+        (404, ""),
+        (400, ""),
+        (413, ""),
+        (200, "upstream"),
+    ]
+    assert all(r["outcome"] == "rejected" for r in lines[:4])
+
+
 def test_startup_lines_say_where_which_upstreams_and_which_registry() -> None:
     config = load(
         env={},
@@ -342,6 +406,36 @@ async def test_in_json_mode_every_line_the_process_writes_is_one_json_object(
     assert sorted(r["outcome"] for r in requests) == ["completed", "rejected", "upstream_error"]
     for r in requests:  # request lines keep their own fields
         assert {"method", "path", "status", "turn", "attempt", "duration_ms"} <= set(r)
+
+
+def _first_line_on_a_terminal(*args: str) -> str:
+    """The command's first stderr line, its stderr a terminal (a pty)."""
+    controller, terminal = pty.openpty()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("STREAMFENCE_")}
+    command = [sys.executable, "-m", "proxy", "--upstream", "http://127.0.0.1:9", "--port", "0"]
+    with subprocess.Popen([*command, *args], stderr=terminal, env=clean, cwd=ROOT) as proc:
+        os.close(terminal)
+        try:
+            seen = b""
+            while b"\n" not in seen:
+                ready, _, _ = select.select([controller], [], [], 30)
+                assert ready, "no line within 30 s"
+                seen += os.read(controller, 4096)
+        finally:
+            proc.terminate()
+            proc.wait(20)
+            os.close(controller)
+    return seen.split(b"\n", 1)[0].decode().rstrip("\r")
+
+
+def test_logs_are_text_on_a_terminal_and_json_otherwise() -> None:
+    # --log-format auto, the default: a person at a terminal reads text; a pipe (every
+    # other test here) gets JSON.
+    first = _first_line_on_a_terminal()
+    assert first.startswith("streamfence ") and " listening on http://127.0.0.1:" in first
+    assert not first.startswith("{")
+    asked = json.loads(_first_line_on_a_terminal("--log-format", "json"))
+    assert asked["logger"] == "streamfence.startup"
 
 
 def test_python_warnings_and_uncaught_exceptions_are_json_lines_too() -> None:

@@ -243,11 +243,19 @@ async def test_health_and_readiness_probes(
         assert (await client.get("/_streamfence/healthz")).json() == {"status": "ok"}
         ready = await client.get("/_streamfence/readyz")
         assert (ready.status_code, ready.json()) == (200, {"status": "ready"})
+    closed = {"registry.on_unavailable": "fail_closed"}
     async with (
-        make_proxy(upstream.url, _app={"registry": NotReady()}) as proxy,
+        make_proxy(upstream.url, _app={"registry": NotReady()}, **closed) as proxy,
         proxy.client() as client,
     ):
         # Alive but not ready: orchestrators keep it running and send it no traffic.
         assert (await client.get("/_streamfence/healthz")).status_code == 200
         assert (await client.get("/_streamfence/readyz")).status_code == 503
+    async with (
+        make_proxy(upstream.url, _app={"registry": NotReady()}) as proxy,
+        proxy.client() as client,
+    ):
+        # fail_open: still serving (unfenced), so still ready, and saying so.
+        ready = await client.get("/_streamfence/readyz")
+        assert (ready.status_code, ready.json()["status"]) == (200, "degraded")
     assert upstream.seen == []

@@ -47,5 +47,27 @@ def test_index_metadata() -> None:
 
 def test_readme_says_to_install_in_its_own_environment() -> None:
     readme = (ROOT / "README.md").read_text()
-    assert "pipx install streamfence" in readme
     assert "`proxy.py`" in readme  # why: the same import name, `proxy`
+    assert "python3 -m venv ~/.streamfence" in readme
+
+
+def _shell_blocks(readme: str) -> list[str]:
+    return re.findall(r"```sh\n(.*?)```", readme, flags=re.DOTALL)
+
+
+def test_readme_installs_from_what_exists() -> None:
+    # The package is not on PyPI yet: `pipx install streamfence`, the README's first install
+    # line once, failed for every new user. Commands install from the repository (the lock,
+    # then the package without dependencies); the index's name only where the README says
+    # "once published".
+    readme = (ROOT / "README.md").read_text()
+    assert "not published on PyPI yet" in readme
+    first = _shell_blocks(readme)[0]
+    assert "pip install --require-hashes -r requirements.txt" in first
+    assert "pip install --no-deps ." in first
+    from_index = re.compile(r"\bpipx? install ['\"]?streamfence\b")
+    for block in _shell_blocks(readme):
+        assert not from_index.search(block), block
+    for paragraph in readme.split("\n\n"):
+        if from_index.search(paragraph):
+            assert "once the package is published" in paragraph.lower(), paragraph

@@ -24,6 +24,7 @@ from starlette.requests import Request
 
 from proxy import status, statuspage
 from proxy.errors import MalformedStream, UpstreamConnectError, UpstreamTimeout
+from proxy.generation import Generation
 from proxy.logs import Record
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import Event, chat_body, events, open_stream
@@ -145,6 +146,100 @@ async def test_feed_shows_turn_in_flight_then_its_supersede(
     text = "\n".join(raw_feed)
     assert secret not in text and "t-secret-turn" not in text
     assert all(seen.path != "/_streamfence/feed" for seen in upstream.seen)
+
+
+def _two_upstreams(url: str) -> dict[str, Any]:
+    """The default upstream (healthy_within 60 s: its gated streams stay healthy) and "slow"
+    under /slow, whose streams count as stalled almost at once (0.05 s)."""
+    return {
+        "upstream.0.healthy_within": 60.0,
+        "upstream.1.url": url,
+        "upstream.1.name": "slow",
+        "upstream.1.prefix": "/slow",
+        "upstream.1.healthy_within": 0.05,
+    }
+
+
+async def test_feed_shows_each_turn_in_flight_healthy_or_stalled(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory
+) -> None:
+    # What decides what a retry does: whether the turn's generation is healthy (its last
+    # content event within its upstream's healthy_within) or stalled. The page showed ages.
+    async with (
+        make_proxy(upstream.url, **_two_upstreams(upstream.url)) as proxy,
+        proxy.client() as client,
+        proxy.client() as watcher,
+        AsyncExitStack() as stack,
+    ):
+        feed_response = await stack.enter_async_context(watcher.stream("GET", "/_streamfence/feed"))
+        feed = _snapshots(feed_response)
+        body = chat_body("q", gated=True)
+        live = await open_stream(stack, client, CHAT, body, {"X-Turn-Id": "live"})
+        stuck = await open_stream(stack, client, "/slow" + CHAT, body, {"X-Turn-Id": "stuck"})
+        live_events, stuck_events = events(live), events(stuck)
+        await anext(live_events)
+        await anext(stuck_events)
+        turns = {
+            live.headers["x-streamfence-turn"]: "live",
+            stuck.headers["x-streamfence-turn"]: "stuck",
+        }
+
+        def states(snap: dict[str, Any]) -> dict[str, str]:
+            return {turns[f["turn"]]: f["state"] for f in snap["in_flight"] if f["turn"] in turns}
+
+        snap = await _until(feed, lambda s: states(s) == {"live": "healthy", "stuck": "stalled"})
+        rows = {turns[f["turn"]]: f for f in snap["in_flight"] if f["turn"] in turns}
+        assert (
+            rows["live"]["healthy_within_s"] == 60.0 and rows["stuck"]["healthy_within_s"] == 0.05
+        )
+        assert 0 <= rows["live"]["silent_s"] < 60
+        assert rows["stuck"]["silent_s"] >= 0.0  # rounded to 0.1 s: 0.05 may show as 0.0 or 0.1
+        for seen in upstream.seen:
+            seen.release(100)
+        assert [e async for e in live_events][-1].data == "[DONE]"
+        assert [e async for e in stuck_events][-1].data == "[DONE]"
+
+
+async def test_the_page_follows_the_generations_own_health_rule(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One rule in one place: the page asks Generation.healthy (what decides a retry), so a
+    # change to that rule (keep-alives not counting, say) is on the page as it is.
+    calls: list[tuple[float, float]] = []
+
+    def never_healthy(self: Generation, within: float, now: float) -> bool:
+        calls.append((within, now))
+        return False
+
+    monkeypatch.setattr(Generation, "healthy", never_healthy)
+    async with (
+        make_proxy(upstream.url, **{"upstream.healthy_within": 60.0}) as proxy,
+        proxy.client() as client,
+        proxy.client() as watcher,
+        AsyncExitStack() as stack,
+    ):
+        feed_response = await stack.enter_async_context(watcher.stream("GET", "/_streamfence/feed"))
+        feed = _snapshots(feed_response)
+        response = await open_stream(
+            stack, client, CHAT, chat_body("q", gated=True), {"X-Turn-Id": "t"}
+        )
+        stream = events(response)
+        await anext(stream)
+        turn = response.headers["x-streamfence-turn"]
+        snap = await _until(feed, lambda s: any(f["turn"] == turn for f in s["in_flight"]))
+        (row,) = snap["in_flight"]
+        assert row["state"] == "stalled"
+        assert calls and all(within == 60.0 for within, _ in calls)  # its upstream's
+        upstream.seen[0].release(100)
+        assert [e async for e in stream][-1].data == "[DONE]"
+
+
+def test_what_has_no_generation_has_no_health() -> None:
+    # A WebSocket response (proxy/wsfence.py Attempt) has no `gen`: shown without a state.
+    class Attempt:
+        record = Record("WS", "/v1/responses")
+
+    assert status.liveness(Attempt(), 10.0, time.monotonic()) == ("", None)
 
 
 async def test_status_routes_need_the_access_token(

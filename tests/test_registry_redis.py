@@ -704,7 +704,7 @@ def test_registry_config_is_checked() -> None:
     with pytest.raises(ConfigError) as bad:
         load(env={}, overrides={**base, "registry.url": "http://x", "registry.lease_ttl": 0})
     assert bad.value.problems == [
-        "registry.lease_ttl: must be positive (seconds)",
+        "registry.lease_ttl: must be more than 0 (seconds), not 0.0",
         "registry.url: must be a redis://, rediss:// or unix:// URL "
         "(redis+cluster:// or rediss+cluster:// for a Redis Cluster)",
     ]

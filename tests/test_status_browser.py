@@ -1,7 +1,8 @@
 """The status page in a real headless browser (Debian's chromium, driven over the DevTools
 protocol): it loads with the access token in its URL, shows a turn while it is in flight,
-then that turn's supersede after a retry, all pushed over its SSE feed. The screenshot it
-takes is the one in the README (docs/status-page.png).
+then that turn's supersede after a retry, and a turn that has gone stalled, all pushed over
+its SSE feed; at 640 px it fits without wrapping a turn's hash. The screenshots it takes with
+STREAMFENCE_UPDATE_DOCS=1 are the README's (docs/status-page.png, docs/status-page-640.png).
 
 Waiting is by events: a MutationObserver inside the page resolves when the expected row
 appears; the Python side only bounds the wait.
@@ -20,11 +21,12 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
 from tests.conftest import ProxyFactory
-from tests.sse_client import chat_body, events, open_stream
+from tests.sse_client import Event, chat_body, events, open_stream
 from tests.test_ops_status import reset_sse_starlette  # noqa: F401 - autouse fixture
 from tests.upstream import ScriptedUpstream, free_port
 
@@ -162,11 +164,43 @@ def _row(table: str, turn: str, text: str) -> str:
     )
 
 
+# A second upstream, a local model server under /vllm, whose streams count as stalled after
+# 1 s of silence; the default upstream's gated streams stay healthy for a minute.
+VLLM = {
+    "upstream.0.healthy_within": 60.0,
+    "upstream.1.name": "vllm",
+    "upstream.1.prefix": "/vllm",
+    "upstream.1.healthy_within": 1.0,
+}
+
+
+def _with_vllm(url: str, index: int = 1) -> dict[str, object]:
+    return {
+        key.replace("upstream.1.", f"upstream.{index}."): value for key, value in VLLM.items()
+    } | {f"upstream.{index}.url": url}
+
+
+async def _stalled_turn(
+    streams: AsyncExitStack, client: httpx.AsyncClient, page: Page, name: str
+) -> tuple[str, AsyncIterator[Event]]:
+    """A turn on the vllm upstream whose stream goes silent, until the page calls it stalled."""
+    stuck = await open_stream(
+        streams, client, "/vllm" + CHAT, chat_body(name, gated=True), {"X-Turn-Id": name}
+    )
+    stuck_events = events(stuck)  # held: an abandoned reader would close its stream
+    await anext(stuck_events)
+    turn = stuck.headers["x-streamfence-turn"]
+    await page.wait_for(_row("inflight", turn, "stalled"))  # 1 s without an event
+    return turn, stuck_events
+
+
 async def test_status_page_shows_a_turn_in_flight_then_its_supersede(
     upstream: ScriptedUpstream, make_proxy: ProxyFactory, tmp_path: Path
 ) -> None:
     async with (
-        make_proxy(upstream.url, **{"server.access_token": TOKEN}) as proxy,
+        make_proxy(
+            upstream.url, **{"server.access_token": TOKEN}, **_with_vllm(upstream.url)
+        ) as proxy,
         proxy.client(headers={"x-streamfence-token": TOKEN}) as client,
         chromium(tmp_path / "profile") as page,
         AsyncExitStack() as streams,
@@ -203,13 +237,21 @@ async def test_status_page_shows_a_turn_in_flight_then_its_supersede(
 
         await page.wait_for(_row("recent", turn, "#1 \u2192 #2"))
         await page.wait_for(_row("inflight", turn, "#2"))
+        # Each turn in flight says whether a retry would follow it or replace it.
+        stuck, stuck_events = await _stalled_turn(streams, client, page, "t-3")
+        await page.wait_for(_row("inflight", turn, "healthy"))
+        state = await page.text(
+            f"document.querySelector('#inflight tr[data-turn=\"{stuck}\"]').cells[6].title"
+        )
+        assert "healthy within 1 s" in state and state.endswith("a retry now would replace it")
         latency = await page.text(
             f"document.querySelector('#recent tr[data-turn=\"{turn}\"]').cells[4].textContent"
         )
         assert latency.endswith(" ms"), latency
         float(latency.split()[0])  # a number; its size is the benchmark's business (B5)
         assert page.console == []
-        assert [s.path for s in upstream.seen] == [CHAT] * 3  # no /favicon.ico forwarded
+        # No /favicon.ico forwarded (the vllm prefix is stripped: the same upstream).
+        assert [s.path for s in upstream.seen] == [CHAT] * 4
 
         shot = await page.send("Page.captureScreenshot", format="png")
         png = base64.b64decode(shot["data"])
@@ -221,6 +263,7 @@ async def test_status_page_shows_a_turn_in_flight_then_its_supersede(
             seen.release(100)
         assert [e async for e in retry_events][-1].data == "[DONE]"
         assert [e async for e in other_events][-1].data == "[DONE]"
+        assert [e async for e in stuck_events][-1].data == "[DONE]"
 
 
 async def test_status_page_without_the_token_shows_nothing(
@@ -241,9 +284,10 @@ async def test_status_page_at_640px_shows_outcomes_errors_and_upstream_health(
     dead = f"http://127.0.0.1:{free_port()}"  # a second upstream nobody listens on
     options = {"upstream.1.url": dead, "upstream.1.name": "dead", "upstream.1.prefix": "/dead"}
     async with (
-        make_proxy(upstream.url, **options) as proxy,
+        make_proxy(upstream.url, **options, **_with_vllm(upstream.url, 2)) as proxy,
         proxy.client() as client,
         chromium(tmp_path / "profile", width=640) as page,
+        AsyncExitStack() as streams,
     ):
         await page.send("Page.navigate", url=f"{proxy.url}/_streamfence/")
         await page.wait_for("document.getElementById('state')?.textContent === 'live'")
@@ -268,6 +312,33 @@ async def test_status_page_at_640px_shows_outcomes_errors_and_upstream_health(
         default_row = await _cells(page, "default")
         assert default_row[1] == "failing" and default_row[2:4] == ["2", "1"]
         assert default_row[7].endswith(" ms") and float(default_row[7].split()[0]) > 0
+        # Turns in flight, one healthy and one stalled, and a supersede.
+        first = await open_stream(
+            streams, client, CHAT, chat_body("plan", gated=True), {"X-Turn-Id": "t-1"}
+        )
+        first_events = events(first)
+        await anext(first_events)
+        retry = await open_stream(
+            streams, client, CHAT, chat_body("plan, revised", gated=True), {"X-Turn-Id": "t-1"}
+        )
+        retry_events = events(retry)
+        await anext(retry_events)
+        assert [e async for e in first_events][-1].json["error"]["code"] == "stream_superseded"
+        turn = retry.headers["x-streamfence-turn"]
+        await page.wait_for(_row("recent", turn, "#1 \u2192 #2"))
+        stuck, stuck_events = await _stalled_turn(streams, client, page, "t-2")
+        await page.wait_for(_row("inflight", turn, "healthy"))
+        # The hashes stay on one line each (they wrapped onto a second one), the state shows.
+        lines = await page.text(
+            "[...document.querySelectorAll('#inflight td.mono, #recent td.mono')].map((td) => {"
+            " const r = document.createRange(); r.selectNodeContents(td);"
+            " return r.getClientRects().length; })"
+        )
+        assert lines == [1, 1, 1], f"a turn hash wraps at 640 px: {lines} line(s)"
+        shown = await page.text(
+            f"document.querySelector('#inflight tr[data-turn=\"{stuck}\"]').cells[6].offsetWidth"
+        )
+        assert shown > 0
         # Usable at 640 px: nothing wider than the window, the key columns still shown.
         width, room = await page.text(
             "[document.documentElement.scrollWidth, document.documentElement.clientWidth]"
@@ -288,12 +359,16 @@ async def test_status_page_at_640px_shows_outcomes_errors_and_upstream_health(
             await page.send(
                 "Emulation.setDeviceMetricsOverride",
                 width=640,
-                height=860,
+                height=1000,
                 deviceScaleFactor=1,
                 mobile=False,
             )
             shot = await page.send("Page.captureScreenshot", format="png")
             NARROW_SCREENSHOT.write_bytes(base64.b64decode(shot["data"]))
+        for seen in upstream.seen:
+            seen.release(100)
+        assert [e async for e in retry_events][-1].data == "[DONE]"
+        assert [e async for e in stuck_events][-1].data == "[DONE]"
 
 
 def _count(list_id: str, name: str, n: int) -> str:

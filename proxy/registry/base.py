@@ -90,6 +90,12 @@ class Registry(ABC):
         """How many keys this process holds leases for (for tests, metrics, readiness)."""
 
     async def ready(self) -> bool:
+        """Fencing works fully: the backend answers, and claims of other processes reach
+        this one. What a process that is not ready does is `on_unavailable`'s decision."""
+        return True
+
+    async def reachable(self) -> bool:
+        """The backend answers at all (the startup check: subscriptions take a moment)."""
         return True
 
     def generation_log(self) -> GenerationLog | None:

@@ -153,12 +153,11 @@ class RedisRegistry(Registry):
             await client.aclose()
 
     async def ready(self) -> bool:
-        if self.fail_open:
-            # Availability first: without Redis this process still serves, unfenced (logged
-            # and counted). Reporting "not ready" would take every replica out of rotation.
-            return True
-        if not self.subscribed:
-            return False
+        # Also under fail_open: readyz says "degraded" then, and still answers 200
+        # (availability first), rather than hiding that nothing is fenced.
+        return self.subscribed and await self.reachable()
+
+    async def reachable(self) -> bool:
         try:
             with translate("ping"):
                 await self._client.ping()
