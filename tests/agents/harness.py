@@ -101,7 +101,7 @@ class Agent:
 RUNNING: set[Agent] = set()  # started and not finished: tests/agents/conftest.py reaps them
 
 
-def _base_env(home: Path) -> dict[str, str]:
+def base_env(home: Path) -> dict[str, str]:
     return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "LANG": "C.UTF-8"}
 
 
@@ -133,7 +133,7 @@ class ClaudeHome:
         # A fixed user id: two first starts at once would each make one up.
         (self.home / ".claude.json").write_text(json.dumps({"userID": "a" * 64}))
         self.session = str(uuid.uuid4())
-        self.env = {**_base_env(self.home), **CLAUDE_QUIET, **env}
+        self.env = {**base_env(self.home), **CLAUDE_QUIET, **env}
         self.env["ANTHROPIC_BASE_URL"] = base_url
         self.env["ANTHROPIC_API_KEY"] = FAKE_KEY
 
@@ -203,7 +203,7 @@ class CodexHome:
         text = "\n".join(lines) + "\n" + extra_toml
         tomllib.loads(text)  # fail here, not inside Codex, on a malformed file
         (self.codex_home / "config.toml").write_text(text)
-        self.env = {**_base_env(self.home), "CODEX_HOME": str(self.codex_home)}
+        self.env = {**base_env(self.home), "CODEX_HOME": str(self.codex_home)}
         self.env["STREAMFENCE_TEST_KEY"] = FAKE_KEY
 
     def agent(self, prompt: str) -> Agent:
