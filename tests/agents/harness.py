@@ -463,16 +463,20 @@ async def supersede_stalled(
     is_turn: Callable[[Seen], bool],
     headers: dict[str, str],
     healthy: float,
+    before_headers: bool = False,
 ) -> tuple[Seen, str, Finished]:
     """The agent's stream is held mid-answer (3 events) past `healthy` seconds; then this
     test, as another client with the agent's credential, sends the byte-identical request,
     which supersedes the stalled generation. Whatever the agent does next happens while the
     winner's stream is held; then every stream is let go. Returns the agent's first
-    upstream request, the winner's whole SSE body, and how the agent ended."""
+    upstream request, the winner's whole SSE body, and how the agent ended.
+    `before_headers`: the agent's request is held before its response headers instead
+    (a Script with hold_headers), so that the agent is told with an HTTP 409."""
     first = await wait_for(upstream, is_turn)
-    await first.wait_sent(1)
-    first.release(2)
-    await first.wait_sent(3)
+    if not before_headers:
+        await first.wait_sent(1)
+        first.release(2)
+        await first.wait_sent(3)
     await asyncio.sleep(healthy + 0.5)  # the condition under test: stalled that long
     url = f"{first.path}?{first.query}" if first.query else first.path
     async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as client:
