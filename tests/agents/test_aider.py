@@ -91,13 +91,13 @@ async def test_its_stall_retry_supersedes_the_generation_another_client_holds(
     tmp_path: Path, upstream: ScriptedUpstream
 ) -> None:
     # Another client follows aider's stream, so the stalled generation outlives aider's own
-    # connection. aider's retry (after its 2 s read timeout) finds it stalled for longer
-    # than healthy_within (1 s): it must start a new generation, not follow the stalled
+    # connection. aider's retry (after its 3 s read timeout) finds it stalled for longer
+    # than healthy_within (1.5 s): it must start a new generation, not follow the stalled
     # one, and the other client must be told it was superseded.
     tags = iter(["first", "second", "third"])
     upstream.choose = lambda path, body: Script(tokens=_tokens(next(tags)), gated=True)
-    async with agent_proxy(upstream.url, **{"upstream.healthy_within": 1.0}) as proxy:
-        home = AiderHome(tmp_path, proxy.url, args=["--timeout", "2"])
+    async with agent_proxy(upstream.url, **{"upstream.healthy_within": 1.5}) as proxy:
+        home = AiderHome(tmp_path, proxy.url, args=["--timeout", "3"])
         agent = await home.agent("Say hello").start()
         first = await wait_for(upstream, is_aider_turn, 60)
         async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as client:
