@@ -22,8 +22,8 @@ from tests.upstream import Script, Seen
 MODEL = "gemini-2.5-flash"
 
 SETTINGS: dict[str, Any] = {
-    # An API key, not a Google login; with GOOGLE_GEMINI_BASE_URL alone (and no selected
-    # type) 0.61 picks its "gateway" type, which sends the same requests.
+    # An API key, not a Google login: without a selected type `gemini -p` stops with
+    # "Invalid auth method selected." (exit status 41), GOOGLE_GEMINI_BASE_URL or not.
     "security": {"auth": {"selectedType": "gemini-api-key"}, "folderTrust": {"enabled": False}},
     "privacy": {"usageStatisticsEnabled": False},  # Clearcut logging to play.googleapis.com
     "telemetry": {"enabled": False},
