@@ -5,7 +5,7 @@ SDK), against the scripted upstream.
 What it tried outside loopback when this was written (strace): with the flags and the
 model metadata file below, nothing. Without the metadata file it fetches litellm's model
 price list from raw.githubusercontent.com (and carries on when that fails); without
---no-check-update it asks PyPI for a newer aider; analytics (PostHog) are off with
+--no-check-update it asks PyPI for a newer aider; analytics (PostHog, Mixpanel) are off with
 --analytics-disable.
 """
 
