@@ -101,7 +101,7 @@ class Agent:
 RUNNING: set[Agent] = set()  # started and not finished: tests/agents/conftest.py reaps them
 
 
-def _base_env(home: Path) -> dict[str, str]:
+def base_env(home: Path) -> dict[str, str]:
     return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "LANG": "C.UTF-8"}
 
 
@@ -133,7 +133,7 @@ class ClaudeHome:
         # A fixed user id: two first starts at once would each make one up.
         (self.home / ".claude.json").write_text(json.dumps({"userID": "a" * 64}))
         self.session = str(uuid.uuid4())
-        self.env = {**_base_env(self.home), **CLAUDE_QUIET, **env}
+        self.env = {**base_env(self.home), **CLAUDE_QUIET, **env}
         self.env["ANTHROPIC_BASE_URL"] = base_url
         self.env["ANTHROPIC_API_KEY"] = FAKE_KEY
 
@@ -203,7 +203,7 @@ class CodexHome:
         text = "\n".join(lines) + "\n" + extra_toml
         tomllib.loads(text)  # fail here, not inside Codex, on a malformed file
         (self.codex_home / "config.toml").write_text(text)
-        self.env = {**_base_env(self.home), "CODEX_HOME": str(self.codex_home)}
+        self.env = {**base_env(self.home), "CODEX_HOME": str(self.codex_home)}
         self.env["STREAMFENCE_TEST_KEY"] = FAKE_KEY
 
     def agent(self, prompt: str) -> Agent:
@@ -463,16 +463,20 @@ async def supersede_stalled(
     is_turn: Callable[[Seen], bool],
     headers: dict[str, str],
     healthy: float,
+    before_headers: bool = False,
 ) -> tuple[Seen, str, Finished]:
     """The agent's stream is held mid-answer (3 events) past `healthy` seconds; then this
     test, as another client with the agent's credential, sends the byte-identical request,
     which supersedes the stalled generation. Whatever the agent does next happens while the
     winner's stream is held; then every stream is let go. Returns the agent's first
-    upstream request, the winner's whole SSE body, and how the agent ended."""
+    upstream request, the winner's whole SSE body, and how the agent ended.
+    `before_headers`: the agent's request is held before its response headers instead
+    (a Script with hold_headers), so that the agent is told with an HTTP 409."""
     first = await wait_for(upstream, is_turn)
-    await first.wait_sent(1)
-    first.release(2)
-    await first.wait_sent(3)
+    if not before_headers:
+        await first.wait_sent(1)
+        first.release(2)
+        await first.wait_sent(3)
     await asyncio.sleep(healthy + 0.5)  # the condition under test: stalled that long
     url = f"{first.path}?{first.query}" if first.query else first.path
     async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as client:
