@@ -16,7 +16,10 @@ it locally), whose reader reads the log instead of an upstream:
 - its readers are counted by the writer, which keeps the upstream open while any process
   still reads it (`Generation.detach`);
 - the writer's process dying, or Redis losing the log, ends it with `GenerationLost`
-  within `DETECT_WITHIN` (3 s): a clear error event, never a clean end of a cut answer.
+  within `DETECT_WITHIN` (3 s): a clear error event, never a clean end of a cut answer;
+- its health is the writer's: judged (proxy.health) from the log's `last` stamp, which
+  moves on content only, as the claim script judged it, never from when this process read a
+  batch (a catch-up of old events is not a sign of life).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from proxy import upstream
+from proxy import health, upstream
 from proxy.buffer import Budget
 from proxy.errors import GenerationLost, UpstreamError
 from proxy.follow import Ask
@@ -36,7 +39,7 @@ from proxy.sse import resumes_after
 from proxy.upstream import UpstreamClient
 
 if TYPE_CHECKING:
-    from proxy.registry.genlog import GenerationLog
+    from proxy.registry.genlog import GenerationLog, LogReader
     from proxy.registry.redis import Follow, RedisRegistry
 
 
@@ -62,6 +65,17 @@ class RemoteGeneration(Generation):
         self._current = current
         self._source: GenerationLog = registry.generation_log()
         self._watcher = registry
+        self._reader: LogReader | None = None
+        # The writer's last sign of life as the claim saw it, on this process's clock.
+        self.alive_at = time.monotonic() - current.quiet
+
+    def healthy(self, within: float, now: float) -> bool:
+        """As the writer's process would judge it: from the log's `last` stamp, as of the
+        reader's latest check (every CHECK_EVERY), else as of the claim."""
+        reader = self._reader
+        if reader is not None and reader.meta is not None:
+            return health.healthy(reader.checked_at - reader.meta.since_activity, now, within)
+        return health.healthy(self.alive_at, now, within)
 
     async def _read(self) -> None:
         key, current = self.ask.key, self._current
@@ -73,9 +87,9 @@ class RemoteGeneration(Generation):
         try:
             self.forwarded_at = time.perf_counter()
             reader = await self._source.follow(key, current.token, reader_id=current.reader_id)
+            self._reader = reader
             start = await reader.wait_start()
             self.headers_at = time.perf_counter()
-            self.last_activity = time.monotonic()
             self.raw_headers = [
                 (n.encode("latin-1"), v.encode("latin-1")) for n, v in start.headers
             ]
@@ -96,6 +110,7 @@ class RemoteGeneration(Generation):
         except GenerationLost as exc:
             self.error = exc
         finally:
+            self._reader = None
             if reader is not None:
                 await asyncio.shield(reader.aclose())
             self.closed_at = time.perf_counter()
