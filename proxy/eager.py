@@ -8,18 +8,23 @@ an iteration of relaying, milliseconds. Here the step runs as soon as the bytes 
 completed the request are parsed, still inside `data_received`; the task uvicorn keeps
 runs the rest (`tasks.start_eagerly`). With the accept, a fence takes two iterations of
 the loop where it took four.
+
+Each request's scope also carries the `writes.CUT` extension: how the relay ends a body the
+upstream cut mid-way without its last chunk (`cut`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from proxy.tasks import start_eagerly
+from proxy.writes import CUT
 
 
 class Protocol(HttpToolsProtocol):
@@ -38,6 +43,8 @@ class Protocol(HttpToolsProtocol):
             step()
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        scope = cast(dict[str, Any], cycle.scope)
+        scope.setdefault("extensions", {})[CUT] = functools.partial(cut, cycle)
         steps = self._steps
         if steps is None or asyncio.current_task(self.loop) is not None:
             super()._start_asgi_task(cycle, app)  # e.g. a pipelined request, started later
@@ -48,3 +55,17 @@ class Protocol(HttpToolsProtocol):
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
         steps.append(step)
+
+
+def cut(cycle: RequestResponseCycle) -> None:
+    """End `cycle`'s response where it stands: what was written goes out, then the
+    connection closes without the chunked terminator (curl: exit 18, "transfer closed with
+    outstanding read data remaining"; httpx: RemoteProtocolError), as when a server dies
+    mid-body. Marked disconnected first, so that uvicorn neither writes more nor reports an
+    application that "returned without completing response"."""
+    if cycle.response_complete or cycle.disconnected:
+        return
+    cycle.disconnected = True
+    cycle.keep_alive = False
+    cycle.message_event.set()  # a receive() waiting now answers http.disconnect
+    cycle.transport.close()  # after the buffered writes, FIN: never a terminator

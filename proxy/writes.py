@@ -18,6 +18,12 @@ from proxy.errors import StreamfenceError
 Message = dict[str, Any]
 Send = Callable[[Message], Awaitable[None]]
 Receive = Callable[[], Awaitable[Message]]
+# A scope extension (`scope["extensions"][CUT]`, a callable without arguments) that ends a
+# response whose body has begun without its last chunk: the connection closes after what
+# was written, as a server cut off mid-body would (proxy.eager provides it). ASGI has no
+# message for that; without it a response left unfinished ends the same way, with the
+# server's complaint in the log.
+CUT = "streamfence.cut"
 
 
 @dataclass(slots=True)
