@@ -20,10 +20,14 @@ import anthropic
 import openai
 import pytest
 
+from proxy import health
 from tests.conftest import ProxyFactory
+from tests.sse_client import chat_body, events
 from tests.upstream import Script, ScriptedUpstream
 
 HEALTHY_WITHIN = 0.5
+CHAT = "/v1/chat/completions"
+BODY = chat_body()
 MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
 OPENROUTER = ": OPENROUTER PROCESSING\n\n"
 ANTHROPIC_PING = 'event: ping\ndata: {"type": "ping"}\n\n'
@@ -155,3 +159,30 @@ async def test_a_healthy_stream_with_keepalives_between_its_tokens_is_still_foll
         await asyncio.wait_for(a_task, 10)
         assert "".join(a_text) == "".join(b_text) == "H0 H1 H2 H3 H4 H5 H6 H7 "
         assert len(upstream.seen) == 1
+
+
+@pytest.mark.parametrize("healthy", [True, False])
+async def test_following_is_judged_by_the_one_health_function(
+    upstream: ScriptedUpstream,
+    make_proxy: ProxyFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    healthy: bool,
+) -> None:
+    """With proxy.health.healthy answering `healthy` whatever the clock says, an identical
+    request follows the running generation, or replaces it (the WebSocket twin rule calls
+    the same function: tests/test_websocket_fence.py)."""
+    monkeypatch.setattr(health, "healthy", lambda alive_at, now, within: healthy)
+    upstream.queue.extend([Script(tokens=3, gated=True, prefix="A"), Script(prefix="B")])
+    async with make_proxy(upstream.url, **{"upstream.healthy_within": 60}) as proxy:
+        async with proxy.client() as client, client.stream("POST", CHAT, json=BODY) as a:
+            a_events = events(a)
+            assert (await anext(a_events)).text == "A0 "
+            async with client.stream("POST", CHAT, json=BODY) as b:
+                source = b.headers["x-streamfence-source"]
+                upstream.seen[0].release(10)
+                b_text = "".join([e.text async for e in events(b)])
+            rest = [e async for e in a_events]
+    assert source == ("followed" if healthy else "upstream")
+    assert len(upstream.seen) == (1 if healthy else 2)
+    assert b_text == ("A0 A1 A2 " if healthy else "B0 B1 B2 ")
+    assert rest[-1].is_error is (not healthy)
