@@ -186,3 +186,24 @@ async def test_following_is_judged_by_the_one_health_function(
     assert len(upstream.seen) == (1 if healthy else 2)
     assert b_text == ("A0 A1 A2 " if healthy else "B0 B1 B2 ")
     assert rest[-1].is_error is (not healthy)
+
+
+@pytest.mark.parametrize(
+    ("path", "keepalive", "relayed"),
+    [
+        pytest.param("/v1beta/models/m:streamGenerateContent", OPENROUTER, False, id="gemini"),
+        pytest.param("/v1/messages", ANTHROPIC_PING, True, id="anthropic"),
+        pytest.param(CHAT, OPENROUTER, True, id="chat"),
+    ],
+)
+async def test_keepalives_are_relayed_except_comments_on_gemini_paths(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory, path: str, keepalive: str, relayed: bool
+) -> None:
+    """Relayed at once as they came (clients' idle timers need them), except comment lines
+    on Gemini paths: google-genai fails to parse one, and Google never sends them."""
+    upstream.queue.append(Script(tokens=3, delay=0.1, keepalive=keepalive))
+    async with make_proxy(upstream.url) as proxy, proxy.client() as client:
+        body = (await client.post(path, json=chat_body())).content
+    assert (keepalive.encode() in body) is relayed
+    assert upstream.seen[0].keepalives_sent >= 2
+    assert body.count(b"data: ") >= 3
