@@ -28,7 +28,7 @@ from proxy.logs import Record
 from proxy.registry import Lease
 from proxy.routing import response_headers
 from proxy.tasks import run_now
-from proxy.writes import CUT, Exchange, Message, Receive, Send, WriteGuard, error_response_parts
+from proxy.writes import Exchange, Message, Receive, Send, WriteGuard, cut, error_response_parts
 
 SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 # The largest last write that also ends the response: under the transport's high-water mark
@@ -128,7 +128,7 @@ class Subscriber:
             if self.headers_sent and not self.ended:
                 if self.cut:
                     self.done = True  # the disconnect the cut makes is not a client leaving
-                    _cut(scope)
+                    cut(scope)
                 else:
                     # Inside the race: a client that never takes this last write is dropped
                     # by the write timeout like any other.
@@ -356,11 +356,3 @@ class Subscriber:
         if self.cause == CLIENT_GONE or self.error is None:
             return "client_gone"
         return "upstream_error"
-
-
-def _cut(scope: Message) -> None:
-    """End the response without its last chunk (`writes.CUT`). Under a server without the
-    extension the response is left unfinished, which ends it the same way."""
-    cut = scope.get("extensions", {}).get(CUT)
-    if cut is not None:
-        cut()

@@ -48,6 +48,14 @@ class Exchange:
         return headers
 
 
+def cut(scope: Message) -> None:
+    """End the response without its last chunk (`CUT`). Under a server without the extension
+    the response is left unfinished, which ends it the same way."""
+    end = scope.get("extensions", {}).get(CUT)
+    if end is not None:
+        end()
+
+
 def error_response_parts(
     error: StreamfenceError, dialect: str, extra: Sequence[tuple[bytes, bytes]] = ()
 ) -> tuple[Message, Message]:
