@@ -89,6 +89,12 @@ def keepalive_starts(dialect: str) -> tuple[bytes, ...]:
     return tuple(starts)
 
 
+def keepalive_firsts(starts: tuple[bytes, ...]) -> bytes:
+    """The first bytes of `starts`: an event whose first byte is none of them is content.
+    The relay's test before `carries_content` (a byte looked up, not a call per event)."""
+    return bytes(sorted({start[0] for start in starts}))
+
+
 def drops_keepalives(dialect: str) -> bool:
     """Keep-alives are not relayed to this dialect's clients: @google/genai stops reading a
     stream at a comment line, and Google's API never sends one (only intermediaries do)."""

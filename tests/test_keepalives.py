@@ -64,6 +64,8 @@ def test_keepalive_table(dialect: str, block: bytes, expected: bool) -> None:
     starts = dialects.keepalive_starts(dialect)
     assert dialects.is_keepalive(block, starts) is expected
     assert dialects.carries_content([block], starts) is not expected
+    if block[0] not in dialects.keepalive_firsts(starts):  # the relay's one-byte test
+        assert not expected
     # The proxy's id, stamped last on every event where resuming needs it, changes nothing
     # (but on a block of blank lines alone, which it turns into an id line: content then).
     if block.strip(b"\r\n"):
