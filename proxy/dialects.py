@@ -8,7 +8,7 @@ official SDKs raise on. Pure and I/O-free.
 from __future__ import annotations
 
 import json
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from proxy.errors import StreamfenceError
 from proxy.sse import encode_event, parse_fields
@@ -96,9 +96,28 @@ def keepalive_firsts(starts: tuple[bytes, ...]) -> bytes:
 
 
 def drops_keepalives(dialect: str) -> bool:
-    """Keep-alives are not relayed to this dialect's clients: @google/genai stops reading a
-    stream at a comment line, and Google's API never sends one (only intermediaries do)."""
+    """Keep-alives are not relayed to this dialect's clients: google-genai fails on a comment
+    line, and Google's API never sends one (only intermediaries do)."""
     return dialect == GEMINI
+
+
+class KeepAlives(NamedTuple):
+    """What a generation of one dialect needs to tell its keep-alives, made once."""
+
+    starts: tuple[bytes, ...]
+    firsts: bytes
+    dropped: bool
+
+
+_KEEPALIVES: Final = {
+    d: KeepAlives(keepalive_starts(d), keepalive_firsts(keepalive_starts(d)), drops_keepalives(d))
+    for d in DIALECTS
+}
+
+
+def keepalives(dialect: str) -> KeepAlives:
+    """`dialect`'s keep-alives (a dict look-up: this runs per request)."""
+    return _KEEPALIVES.get(dialect) or _KEEPALIVES[SSE]
 
 
 def is_keepalive(event: bytes, starts: tuple[bytes, ...]) -> bool:

@@ -89,9 +89,9 @@ class Generation:
         # The later of the request, its response headers and its last content event: what
         # its health is judged by (proxy.health). Keep-alives do not move it.
         self.alive_at = time.monotonic()
-        self._keepalives = dialects.keepalive_starts(ask.dialect)
-        self._keepalive_firsts = dialects.keepalive_firsts(self._keepalives)
-        self._drops_keepalives = dialects.drops_keepalives(ask.dialect)
+        self._keepalives, self._keepalive_firsts, self._drops_keepalives = dialects.keepalives(
+            ask.dialect
+        )
         self.forwarded_at: float | None = None  # perf_counter readings, for the records
         self.headers_at: float | None = None
         self.closed_at: float | None = None

@@ -122,13 +122,14 @@ class Subscriber:
         # group and cancel scopes cost a sixth of the CPU of a short request.
         self._task = asyncio.current_task()
         watch = asyncio.get_running_loop().create_task(self._watch_disconnect(receive))
+        server_send = send
         try:
             send = self._send = self._bounded(send)
             await self._run(send)
             if self.headers_sent and not self.ended:
                 if self.cut:
                     self.done = True  # the disconnect the cut makes is not a client leaving
-                    cut(scope)
+                    cut(scope, server_send)
                 else:
                     # Inside the race: a client that never takes this last write is dropped
                     # by the write timeout like any other.

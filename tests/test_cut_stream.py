@@ -13,10 +13,13 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 import pytest
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
+from proxy import eager
 from tests.conftest import ProxyFactory
 from tests.sse_client import chat_body, events, events_of_a_cut_body
 from tests.stress import harness
@@ -166,3 +169,29 @@ async def test_a_superseded_stream_still_ends_cleanly_after_its_frame(
             rest = [e async for e in a_events]  # a clean end: nothing raised
     assert b.status_code == 200
     assert [e.json["error"]["code"] for e in rest] == ["stream_superseded"]
+
+
+def test_the_cut_ends_uvicorns_cycle_only_through_its_own_send() -> None:
+    """eager.cut finds uvicorn's cycle from the `send` the app was given (no per-request
+    closure: that would be a reference cycle per request); a wrapped send is left alone."""
+
+    class Transport:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    cycle = RequestResponseCycle.__new__(RequestResponseCycle)
+    cycle.transport = Transport()  # type: ignore[assignment]
+    cycle.response_complete = cycle.disconnected = False
+    cycle.keep_alive = True
+    cycle.message_event = asyncio.Event()
+
+    async def wrapped(message: Any) -> None:
+        await cycle.send(message)
+
+    eager.cut(wrapped)
+    assert not cycle.transport.closed and not cycle.disconnected  # type: ignore[attr-defined]
+    eager.cut(cycle.send)
+    assert cycle.transport.closed  # type: ignore[attr-defined]
+    assert cycle.disconnected and not cycle.keep_alive and cycle.message_event.is_set()
