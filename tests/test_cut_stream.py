@@ -102,10 +102,14 @@ async def test_curl_reads_a_cut_stream_as_cut(
 @pytest.mark.parametrize(
     ("path", "error_code"),
     [
-        (CHAT, lambda e: e.json["error"]["code"]),
-        ("/v1/responses", lambda e: e.json["code"]),
-        ("/v1/messages", lambda e: e.json["error"]["type"]),
-        ("/v1beta/models/m:streamGenerateContent", lambda e: e.json["error"]["status"]),
+        pytest.param(CHAT, lambda e: e.json["error"]["code"], id="chat"),
+        pytest.param("/v1/responses", lambda e: e.json["code"], id="responses"),
+        pytest.param("/v1/messages", lambda e: e.json["error"]["type"], id="anthropic"),
+        pytest.param(
+            "/v1beta/models/m:streamGenerateContent",
+            lambda e: e.json["error"]["status"],
+            id="gemini",
+        ),
     ],
 )
 async def test_httpx_reads_a_cut_stream_as_cut_in_every_dialect(
