@@ -53,6 +53,7 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self.reused = False
+        self.lost_at: float | None = None  # when the connection ended (time.monotonic)
         self.expiry = pool.expiry
         self.proxy: ProxyURL | None = None  # set: requests go in absolute form to it
         self._write_ready: asyncio.Future[None] | None = None
@@ -78,6 +79,7 @@ class Connection(asyncio.Protocol):
         self.waiter: asyncio.Future[None] | None = None
         self.reading_paused = False
         self.received = False  # any byte of this response: it may not be sent again
+        self.sent_at = 0.0  # when the request's first byte was written (time.monotonic)
         self.pacer = ReadPacer()
 
     # -- asyncio.Protocol ------------------------------------------------------------
@@ -125,6 +127,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.lost_at = time.monotonic()
         # Nothing more can arrive; the parser holds this protocol's callbacks, a cycle that
         # only the garbage collector would free (one per closed connection, one per fence).
         del self.parser
@@ -229,6 +232,7 @@ class Connection(asyncio.Protocol):
         if self.proxy is not None and self.proxy.authorization is not None:
             head.append(b"Proxy-Authorization: " + self.proxy.authorization)
         data = b"\r\n".join(head) + b"\r\n\r\n"
+        self.sent_at = time.monotonic()
         async for part in cast(httpx.AsyncByteStream, request.stream):
             if chunked and part:
                 part = b"%x\r\n%s\r\n" % (len(part), part)

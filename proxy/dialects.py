@@ -8,7 +8,7 @@ official SDKs raise on. Pure and I/O-free.
 from __future__ import annotations
 
 import json
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from proxy.errors import StreamfenceError
 from proxy.sse import encode_event, parse_fields
@@ -57,6 +57,99 @@ def detect(path: str, configured: str = "auto") -> str:
     if path.endswith("/messages"):
         return ANTHROPIC
     return SSE
+
+
+# Keep-alives (CONTRACT section 3; docs/keepalives.md says where each was found): what a
+# dialect's providers send only to show that the connection is alive. They are relayed as they
+# came (clients' own idle timers need them) but are not content: they do not keep a stalled
+# generation healthy. Every dialect's keep-alive is an SSE block of comment lines only (`: ping`,
+# OpenRouter's `: OPENROUTER PROCESSING`, sse-starlette's `: ping - <date>`); some dialects
+# name keep-alive events of their own, always as the block's first line.
+_KEEPALIVE_EVENTS: Final = {
+    ANTHROPIC: ("ping",),  # `event: ping` / `data: {"type": "ping"}`
+    OPENAI_RESPONSES: ("keepalive",),  # `event: keepalive` / `data: {"type":"keepalive",...}`
+    # An unknown stream: the two names above, the usual ones for a liveness event.
+    SSE: ("ping", "keepalive"),
+}
+
+
+def names_keepalive(dialect: str, event_type: object) -> bool:
+    """`event_type` (an event's `type`, where a WebSocket message carries it in its JSON) is
+    one of `dialect`'s keep-alive events."""
+    return event_type in _KEEPALIVE_EVENTS.get(dialect, ())
+
+
+def keepalive_starts(dialect: str) -> tuple[bytes, ...]:
+    """The first bytes of a block of `dialect` that may be a keep-alive (`is_keepalive`
+    decides): a content event starts with none of them, so one `startswith` clears it."""
+    starts = [b":", b"\n", b"\r"]  # a comment; a stray blank line before one
+    for name in _KEEPALIVE_EVENTS.get(dialect, ()):
+        for sep in (b"event: ", b"event:"):
+            starts += [sep + name.encode() + end for end in (b"\n", b"\r")]
+    return tuple(starts)
+
+
+def keepalive_firsts(starts: tuple[bytes, ...]) -> bytes:
+    """The first bytes of `starts`: an event whose first byte is none of them is content.
+    The relay's test before `carries_content` (a byte looked up, not a call per event)."""
+    return bytes(sorted({start[0] for start in starts}))
+
+
+def drops_keepalives(dialect: str) -> bool:
+    """Keep-alives are not relayed to this dialect's clients: google-genai fails on a comment
+    line, and Google's API never sends one (only intermediaries do)."""
+    return dialect == GEMINI
+
+
+class KeepAlives(NamedTuple):
+    """What a generation of one dialect needs to tell its keep-alives, made once."""
+
+    starts: tuple[bytes, ...]
+    firsts: bytes
+    dropped: bool
+
+
+_KEEPALIVES: Final = {
+    d: KeepAlives(keepalive_starts(d), keepalive_firsts(keepalive_starts(d)), drops_keepalives(d))
+    for d in DIALECTS
+}
+
+
+def keepalives(dialect: str) -> KeepAlives:
+    """`dialect`'s keep-alives (a dict look-up: this runs per request)."""
+    return _KEEPALIVES.get(dialect) or _KEEPALIVES[SSE]
+
+
+def is_keepalive(event: bytes, starts: tuple[bytes, ...]) -> bool:
+    """`event` (one raw SSE block) is a keep-alive of the dialect whose `keepalive_starts`
+    are `starts`: a block of comment lines only (an `id:` or `retry:` line beside them
+    dispatches nothing either), or one whose first line names a keep-alive event."""
+    if not event.startswith(starts):
+        return False  # the usual case: `data:`, `event: <content>`, `id:`
+    if event[0] in b"\r\n":
+        event = event.lstrip(b"\r\n")
+        if not event:
+            return True  # blank lines alone: nothing was sent
+        if not event.startswith(starts):
+            return False
+    if event[0] != 0x3A:  # not ":": the first line named a keep-alive event
+        return True
+    # Comments first: a keep-alive unless a data line follows (that block is an event).
+    return event.find(b"\ndata") < 0 and event.find(b"\rdata") < 0
+
+
+def carries_content(events: list[bytes], starts: tuple[bytes, ...]) -> bool:
+    """Some of `events` (the complete events of one read) is content, not a keep-alive:
+    what keeps a generation healthy. One `startswith` per event on the relay's path."""
+    for event in events:  # a loop, not any(): this runs per read
+        if not event.startswith(starts) or not is_keepalive(event, starts):
+            return True
+    return False
+
+
+def without_keepalives(events: list[bytes], starts: tuple[bytes, ...]) -> list[bytes]:
+    """`events` less its keep-alives (for a dialect that `drops_keepalives`)."""
+    return [e for e in events if not is_keepalive(e, starts)]
 
 
 # On the hot path bytes are searched with `find`, not `in`: `sub in data` first tries `sub`

@@ -198,6 +198,7 @@ class ProxyEndpoint:
             followable=followable,
             retain_for=up.replay_window if followable else 0.0,
             retired=retired,
+            dialect=record.dialect,
         )
 
     async def _claim_or_follow(

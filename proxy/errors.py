@@ -35,6 +35,11 @@ class StreamfenceError(Exception):
     # The official SDKs retry 408/409/429/5xx unless told not to; only errors that a
     # retry could fix leave it to them.
     retryable: bool = False
+    # The answer broke off upstream (or in the process that read it): a body already begun
+    # ends after the error event without its terminator, as it would without the proxy, so
+    # that no client takes the truncated answer for a whole one (CONTRACT section 5). The
+    # proxy's own endings (superseded, shutting down) end the body cleanly.
+    cuts_body: bool = False
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -111,6 +116,7 @@ class GenerationLost(StreamfenceError):
     status = 502
     code = "generation_lost"
     retryable = True
+    cuts_body = True
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -127,6 +133,7 @@ class UpstreamError(StreamfenceError):
     status = 502
     code = "upstream_error"
     retryable = True
+    cuts_body = True
     kind = "protocol"  # a metrics label: which fault it was
 
     def __init__(self, message: str, cause: str = "") -> None:

@@ -55,6 +55,7 @@ class Ask:
     stamp_ids: bool  # add `id: <token>-<n>` to every SSE event (for Last-Event-ID)
     followable: bool  # kept for followers (False: keyless, beside, on_retry = supersede)
     retain_for: float = 0.0  # seconds a completed generation stays replayable (replay_window)
+    dialect: str = "sse"  # the caller's (proxy.dialects): which events are keep-alives
     # The bodies of the turn that this generation (or one before it) replaced: a retry of
     # one of them must not replace it in turn.
     retired: frozenset[str] = frozenset()

@@ -28,7 +28,7 @@ from proxy.logs import Record
 from proxy.registry import Lease
 from proxy.routing import response_headers
 from proxy.tasks import run_now
-from proxy.writes import Exchange, Message, Receive, Send, WriteGuard, error_response_parts
+from proxy.writes import Exchange, Message, Receive, Send, WriteGuard, cut, error_response_parts
 
 SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 # The largest last write that also ends the response: under the transport's high-water mark
@@ -61,6 +61,7 @@ class Subscriber:
         self.delivered = False  # the whole answer (or its terminator) was written
         self.done = False  # the response is complete: a disconnect now is no client leaving
         self.ended = False  # its body was ended with the stream's last events
+        self.cut = False  # its body is to end without its terminator (errors.cuts_body)
         self.last_event: bytes | None = None
         self._task: asyncio.Task[Any] | None = None  # the response's task, once it runs
         self._cancels = 0  # cancellations of that task requested by _stop
@@ -121,13 +122,18 @@ class Subscriber:
         # group and cancel scopes cost a sixth of the CPU of a short request.
         self._task = asyncio.current_task()
         watch = asyncio.get_running_loop().create_task(self._watch_disconnect(receive))
+        server_send = send
         try:
             send = self._send = self._bounded(send)
             await self._run(send)
             if self.headers_sent and not self.ended:
-                # Inside the race: a client that never takes this last write is dropped
-                # by the write timeout like any other.
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                if self.cut:
+                    self.done = True  # the disconnect the cut makes is not a client leaving
+                    cut(scope, server_send)
+                else:
+                    # Inside the race: a client that never takes this last write is dropped
+                    # by the write timeout like any other.
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
             self.done = True
         except asyncio.CancelledError:
             if not (self._raced and self._absorbed()):
@@ -194,6 +200,9 @@ class Subscriber:
                 self._inline_over = asyncio.get_running_loop().create_future()
                 await self._inline_over
             await self._end_with_error(send, self.error)
+            # Broken off upstream: after its error event the body ends as it would have
+            # directly, unterminated (an answer already delivered ends cleanly, above).
+            self.cut = self.headers_sent and self.error.cuts_body
 
     async def _serve(self, send: Send) -> None:
         gen = self.gen
@@ -209,6 +218,8 @@ class Subscriber:
             await self._start(send, reframed=False)
             self._fencing = False  # past the fence once the headers are out (CONTRACT section 2)
             await self._copy(send)
+            if gen.error is not None and not gen.completed:
+                raise gen.error  # a body cut mid-way: cut for this client too
             return
         self.record.streaming = True
         await self._start(send, reframed=True)
@@ -311,8 +322,9 @@ class Subscriber:
     async def _end_with_error(self, send: Send, error: StreamfenceError) -> None:
         self.record.error = error.code
         if self.headers_sent:
-            frame = dialects.stream_error_frame(self.ex.dialect, error, self.last_event)
-            await send({"type": "http.response.body", "body": frame, "more_body": True})
+            if self.gen.is_sse:  # a body of any other type has no place for a frame
+                frame = dialects.stream_error_frame(self.ex.dialect, error, self.last_event)
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
             return
         start, body = error_response_parts(error, self.ex.dialect, self._own_headers())
         self.record.status = error.status

@@ -16,7 +16,10 @@ it locally), whose reader reads the log instead of an upstream:
 - its readers are counted by the writer, which keeps the upstream open while any process
   still reads it (`Generation.detach`);
 - the writer's process dying, or Redis losing the log, ends it with `GenerationLost`
-  within `DETECT_WITHIN` (3 s): a clear error event, never a clean end of a cut answer.
+  within `DETECT_WITHIN` (3 s): a clear error event, never a clean end of a cut answer;
+- its health is the writer's: judged (proxy.health) from the log's `last` stamp, which
+  moves on content only, as the claim script judged it, never from when this process read a
+  batch (a catch-up of old events is not a sign of life).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from proxy.sse import resumes_after
 from proxy.upstream import UpstreamClient
 
 if TYPE_CHECKING:
-    from proxy.registry.genlog import GenerationLog
+    from proxy.registry.genlog import GenerationLog, LogReader
     from proxy.registry.redis import Follow, RedisRegistry
 
 
@@ -62,6 +65,17 @@ class RemoteGeneration(Generation):
         self._current = current
         self._source: GenerationLog = registry.generation_log()
         self._watcher = registry
+        self._reader: LogReader | None = None
+        # The writer's last sign of life as the claim saw it, on this process's clock.
+        self.alive_at = time.monotonic() - current.quiet
+
+    def last_alive(self) -> float:
+        """As the writer's process would judge it: from the log's `last` stamp, as of the
+        reader's latest check (every CHECK_EVERY), else as of the claim."""
+        reader = self._reader
+        if reader is not None and reader.meta is not None:
+            return reader.checked_at - reader.meta.since_activity
+        return self.alive_at
 
     async def _read(self) -> None:
         key, current = self.ask.key, self._current
@@ -73,9 +87,9 @@ class RemoteGeneration(Generation):
         try:
             self.forwarded_at = time.perf_counter()
             reader = await self._source.follow(key, current.token, reader_id=current.reader_id)
+            self._reader = reader
             start = await reader.wait_start()
             self.headers_at = time.perf_counter()
-            self.last_activity = time.monotonic()
             self.raw_headers = [
                 (n.encode("latin-1"), v.encode("latin-1")) for n, v in start.headers
             ]
@@ -96,6 +110,7 @@ class RemoteGeneration(Generation):
         except GenerationLost as exc:
             self.error = exc
         finally:
+            self._reader = None
             if reader is not None:
                 await asyncio.shield(reader.aclose())
             self.closed_at = time.perf_counter()

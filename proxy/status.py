@@ -53,7 +53,7 @@ class _Relay(Protocol):
 class _Generation(Protocol):
     """What the page reads of a generation (proxy.generation.Generation)."""
 
-    last_activity: float  # time.monotonic()
+    def last_alive(self) -> float: ...  # time.monotonic()
 
     def healthy(self, within: float, now: float) -> bool: ...
 
@@ -72,7 +72,7 @@ def liveness(relay: object, within: float | None, now: float) -> tuple[str, floa
     if gen is None or within is None:
         return "", None
     state = "healthy" if gen.healthy(within, now) else "stalled"
-    return state, max(0.0, now - gen.last_activity)
+    return state, max(0.0, now - gen.last_alive())
 
 
 @dataclass(frozen=True, slots=True)

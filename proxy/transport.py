@@ -12,8 +12,10 @@ What it promises, because the relay depends on it:
 - a finished keep-alive response returns its connection to a bounded, expiring idle pool;
 - chunked, content-length and read-until-close bodies; TLS for https (default context);
 - failures raise httpx's exceptions, so upstream.translate_errors maps them as before;
-- a request on a reused connection that fails before any response byte (the server closed
-  it as it was reused) is sent once more on a fresh one; on a fresh one it is never retried;
+- a request on a reused connection that the server closed as it was reused, before it could
+  have read the request (no response byte, the close within RESEND_WITHIN of the request's
+  first byte), is sent once more on a fresh one; on a fresh one, or once the server has held
+  the request longer, it is never sent again (`may_resend`);
 - idle expiry follows the server's `Keep-Alive: timeout=N`, less a margin, capped;
 - an egress proxy per upstream origin (proxy/egress.py, proxy/tunnel.py).
 """
@@ -32,6 +34,46 @@ import httpx
 from proxy import tunnel
 from proxy.connection import Connection, Key
 from proxy.egress import EgressPlan
+
+# How soon after a request's first byte a reused connection may end (with no response byte)
+# for the request to be sent again. A server that closed an idle connection as we reused it
+# (its keep-alive timeout, a load balancer's) did so before it read our request: its FIN, or
+# the RST its kernel answers our bytes with, reaches us about one round trip after our write
+# (under a millisecond on loopback and within a data centre, tens of ms to a provider's
+# nearest edge). A provider that took the request and then dropped the connection held it
+# as long as it worked on it, which may have cost (and billed) a generation: sending it
+# again would ask twice, and make the caller wait twice for the same failure. 100 ms is a
+# round trip to a distant edge and far below any model's time to answer. A close later than
+# that is a 502 with its cause, the request sent once; on a link slower than 100 ms the rare
+# late race becomes a 502 too, which the official SDKs retry themselves: never a request
+# asked twice by the proxy. (Go's transport never resends a POST it has written; this one
+# resends only inside that window: README, "What the contract leaves open".)
+RESEND_WITHIN = 0.1
+
+
+def held_for(conn: Connection) -> float:
+    """Seconds from the request's first byte to the connection's end (or to now)."""
+    end = conn.lost_at if conn.lost_at is not None else time.monotonic()
+    return max(0.0, end - conn.sent_at)
+
+
+def may_resend(conn: Connection, request: httpx.Request) -> bool:
+    """A request that failed on `conn` before its response may go once more on a fresh
+    connection: `conn` was reused, no byte of the response came, the body can be sent
+    again, and the server closed the connection before it could have taken the request."""
+    if not conn.reused or conn.received or not isinstance(request.stream, httpx.ByteStream):
+        return False
+    return held_for(conn) < RESEND_WITHIN
+
+
+def _not_resent(conn: Connection, exc: httpx.TransportError) -> httpx.TransportError:
+    """`exc`, saying how long the server held the request when that is why it is final."""
+    if conn.received or held_for(conn) < RESEND_WITHIN:
+        return exc
+    return type(exc)(
+        f"{exc} {held_for(conn):.1f} s after it took the request (not sent again: the "
+        "upstream may have processed it)"
+    )
 
 
 class Body(httpx.AsyncByteStream):
@@ -107,12 +149,15 @@ class Transport(httpx.AsyncBaseTransport):
         if conn is not None:
             try:
                 await self._exchange(conn, request, timeouts)
-            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
-                # The server closed the pooled connection as it was reused: nothing of
-                # this request can have been answered, so it goes once more on a fresh
-                # connection, as httpcore and urllib3 do. Anything else is not retried.
-                if conn.received or not isinstance(request.stream, httpx.ByteStream):
-                    raise
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+                # The server closed the pooled connection as it was reused: the stale
+                # keep-alive race, and the request goes once more on a fresh connection.
+                # Anything else, and a close after the server held the request, is final.
+                if not may_resend(conn, request):
+                    final = _not_resent(conn, exc)
+                    if final is exc:
+                        raise
+                    raise final from exc
                 conn = None
         if conn is None:
             conn = await self._connect(key, timeouts.get("connect"))

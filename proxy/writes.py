@@ -18,6 +18,12 @@ from proxy.errors import StreamfenceError
 Message = dict[str, Any]
 Send = Callable[[Message], Awaitable[None]]
 Receive = Callable[[], Awaitable[Message]]
+# A scope extension (`scope["extensions"][CUT]`, called with the server's own `send`) that
+# ends a response whose body has begun without its last chunk: the connection closes after
+# what was written, as a server cut off mid-body would (proxy.eager provides it). ASGI has no
+# message for that; without it a response left unfinished ends the same way, with the
+# server's complaint in the log.
+CUT = "streamfence.cut"
 
 
 @dataclass(slots=True)
@@ -40,6 +46,14 @@ class Exchange:
         if attempt is not None:
             headers.append((b"x-streamfence-attempt", str(attempt).encode()))
         return headers
+
+
+def cut(scope: Message, send: Send) -> None:
+    """End the response `send` writes without its last chunk (`CUT`). Under a server without
+    the extension the response is left unfinished, which ends it the same way."""
+    end = scope.get("extensions", {}).get(CUT)
+    if end is not None:
+        end(send)
 
 
 def error_response_parts(

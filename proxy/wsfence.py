@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from proxy import dialects, turns
+from proxy import dialects, health, turns
 from proxy.errors import RegistryUnavailable, StreamfenceError, Superseded
 from proxy.logs import Record
 from proxy.registry import Lease
@@ -42,7 +42,9 @@ TERMINAL = frozenset({"response.completed", "response.failed", "response.incompl
 # Envelope fields of a WebSocket message that an HTTP body of the same request does not have.
 ENVELOPE = ("type", "stream_id")
 CLOSE_UNSUPPORTED, CLOSE_POLICY = 1003, 1008
-_MAYBE_TERMINAL = re.compile(r'"(?:response\.(?:completed|failed|incomplete)|error)"')
+# What may end a response, or be a keep-alive (OpenAI's `keepalive`): only such messages and
+# those that name a lane are parsed.
+_WORTH_PARSING = re.compile(r'"(?:response\.(?:completed|failed|incomplete)|error|keepalive)"')
 
 
 class FenceClose(Exception):
@@ -66,7 +68,9 @@ class Attempt:
     fenced: bool = False
     done: bool = False
     last_event: str | None = None
-    last_upstream_at: float = field(default_factory=time.perf_counter)
+    # The later of the request and its last content event (time.monotonic): its health
+    # (proxy.health), by the rule HTTP generations follow. Keep-alives do not move it.
+    alive_at: float = field(default_factory=time.monotonic)
     owner: ResponsesFence | None = None
 
     def abort(self, error: StreamfenceError) -> None:
@@ -167,8 +171,7 @@ class ResponsesFence:
             return False
         if self.up.on_retry == "join":
             return True
-        last = max(running.record.started, running.last_upstream_at)
-        return time.perf_counter() - last < self.up.healthy_within
+        return health.healthy(running.alive_at, time.monotonic(), self.up.healthy_within)
 
     def forward_failed(self) -> None:
         for attempt in self._live():
@@ -185,11 +188,11 @@ class ResponsesFence:
         if not self.lanes:
             return True  # no response in flight: nothing to attribute (steer answers...)
         lane: Any = None
-        terminal = False
+        terminal = keepalive = False
         # Most events are deltas of the one response in flight: only those that may end a
         # response or name a lane are parsed (a JSON string value "response.completed" keeps
         # its quotes unescaped; the same words inside a delta's text are escaped or bare).
-        if _MAYBE_TERMINAL.search(data) or '"stream_id"' in data:
+        if _WORTH_PARSING.search(data) or '"stream_id"' in data:
             try:
                 event: Any = json.loads(data)
             except (ValueError, RecursionError):
@@ -198,12 +201,14 @@ class ResponsesFence:
                 return True
             lane = event.get("stream_id")
             terminal = event.get("type") in TERMINAL
+            keepalive = dialects.names_keepalive(dialects.OPENAI_RESPONSES, event.get("type"))
         queue = self.lanes.get(lane if isinstance(lane, str) else None)
         if not queue:
             return True
         attempt = queue[0]
         now = time.perf_counter()
-        attempt.last_upstream_at = now
+        if not keepalive:
+            attempt.alive_at = time.monotonic()
         if attempt.record.upstream_headers_at is None:
             attempt.record.upstream_headers_at = now
         attempt.started = True

@@ -1,6 +1,7 @@
 // An upstream written with Node's own `http` module (no npm packages), for
-// tests/test_upstream_servers.py. Node writes header names as given (Content-Type,
-// Cache-Control) and adds its own: Connection: keep-alive, Keep-Alive: timeout=5,
+// tests/test_upstream_servers.py and tests/clients/test_node_upstream_keepalives.py. Node
+// writes header names as given (Content-Type, Cache-Control) and adds its own:
+// Connection: keep-alive, Keep-Alive: timeout=5,
 // Transfer-Encoding: chunked, Date. It compresses as a typical middleware would: br,
 // else gzip, whichever the request's Accept-Encoding offers (Node 20 has no zstd).
 // Prints {"port": N} once listening on 127.0.0.1.
@@ -25,13 +26,33 @@ function encoder(encoding) {
   return null;
 }
 
-function events(count) {
+function events(count, prefix) {
   const out = [];
   for (let i = 0; i < count; i++) {
-    const chunk = { object: "chat.completion.chunk", choices: [{ index: 0, delta: { content: `n${i} ` } }] };
+    const chunk = { object: "chat.completion.chunk", choices: [{ index: 0, delta: { content: `${prefix}${i} ` } }] };
     out.push(`data: ${JSON.stringify(chunk)}\n\n`);
   }
   out.push("data: [DONE]\n\n");
+  return out;
+}
+
+// The Anthropic Messages stream of the same tokens (for /v1/messages), the first token third.
+function anthropicEvents(count, prefix) {
+  const sse = (type, data) => `event: ${type}\ndata: ${JSON.stringify({ type, ...data })}\n\n`;
+  const message = {
+    id: "msg_node", type: "message", role: "assistant", model: "m", content: [],
+    stop_reason: null, stop_sequence: null, usage: { input_tokens: 1, output_tokens: 0 },
+  };
+  const out = [
+    sse("message_start", { message }),
+    sse("content_block_start", { index: 0, content_block: { type: "text", text: "" } }),
+  ];
+  for (let i = 0; i < count; i++) {
+    out.push(sse("content_block_delta", { index: 0, delta: { type: "text_delta", text: `${prefix}${i} ` } }));
+  }
+  out.push(sse("content_block_stop", { index: 0 }));
+  out.push(sse("message_delta", { delta: { stop_reason: "end_turn", stop_sequence: null }, usage: { output_tokens: count } }));
+  out.push(sse("message_stop", {}));
   return out;
 }
 
@@ -43,19 +64,37 @@ function stream(req, res) {
   const z = encoder(encoding);
   const sink = z || res;
   if (z) z.pipe(res);
-  // x-events: how many token events (3 unless asked), each written and flushed on its own
-  const all = events(Number(req.headers["x-events"] || 3));
-  // x-hold: the first event, then nothing until the client goes (a stalled generation);
-  // its early close is recorded for /_stats.
+  // x-events: how many token events (3 unless asked), each written and flushed on its own;
+  // x-prefix: before each token's number ("n" unless asked)
+  const count = Number(req.headers["x-events"] || 3);
+  const prefix = req.headers["x-prefix"] ?? "n";
+  const anthropic = req.url.startsWith("/v1/messages");
+  const all = anthropic ? anthropicEvents(count, prefix) : events(count, prefix);
+  const flush = () => {
+    if (z) z.flush(encoding === "br" ? zlib.constants.BROTLI_OPERATION_FLUSH : zlib.constants.Z_SYNC_FLUSH);
+  };
+  // x-hold: the events through the first token, then nothing until the client goes (a
+  // stalled generation); its early close is recorded for /_stats. With x-keepalive (a
+  // JSON string: the exact keep-alive block), that block every x-keepalive-every ms (100)
+  // while it holds: a stall behind keep-alives, as OpenRouter or Anthropic send them.
   if (req.headers["x-hold"]) {
     const name = req.headers["x-hold"];
+    let timer = null;
     res.on("close", () => {
+      if (timer) clearInterval(timer);
       if (res.writableEnded) return;
       closedEarly.push(name);
       for (const waiter of closeWaiters.splice(0)) waiter();
     });
-    sink.write(all[0]);
-    if (z) z.flush(encoding === "br" ? zlib.constants.BROTLI_OPERATION_FLUSH : zlib.constants.Z_SYNC_FLUSH);
+    for (const event of all.slice(0, anthropic ? 3 : 1)) sink.write(event);
+    flush();
+    if (req.headers["x-keepalive"]) {
+      const block = JSON.parse(req.headers["x-keepalive"]);
+      timer = setInterval(() => {
+        sink.write(block);
+        flush();
+      }, Number(req.headers["x-keepalive-every"] || 100));
+    }
     return;
   }
   let i = 0;

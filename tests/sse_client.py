@@ -72,6 +72,20 @@ async def events(response: httpx.Response) -> AsyncIterator[Event]:
         yield Event(name, "\n".join(data))
 
 
+async def events_of_a_cut_body(response: httpx.Response) -> list[Event]:
+    """Every event of a body that ends without its terminator (an upstream cut mid-way, and
+    the proxy cutting its client's body in turn): httpx raises on the end, as on any
+    truncated body, after the events."""
+    got: list[Event] = []
+    try:
+        async for event in events(response):
+            got.append(event)
+    except httpx.RemoteProtocolError as exc:
+        assert "incomplete chunked read" in str(exc), exc
+        return got
+    raise AssertionError(f"the body ended cleanly after {got}")
+
+
 def chat_body(prompt: str = "hi", **script: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": "m",

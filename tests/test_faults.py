@@ -24,7 +24,7 @@ import pytest
 
 from proxy.logs import Record
 from tests.conftest import Proxy, ProxyFactory
-from tests.sse_client import Event, chat_body, events
+from tests.sse_client import chat_body, events, events_of_a_cut_body
 from tests.stress import harness
 from tests.upstream import Script, ScriptedUpstream, Seen, free_port
 
@@ -87,10 +87,6 @@ async def wait_quiet(seen: Seen, quiet: float = 0.4, deadline: float = 15.0) -> 
             except TimeoutError:
                 if seen.events_sent == before:
                     return before
-
-
-async def drain(response: httpx.Response) -> list[Event]:
-    return [e async for e in events(response)]
 
 
 # --- upstream faults -----------------------------------------------------------------
@@ -175,7 +171,7 @@ async def test_stream_broken_mid_way_ends_with_an_error_event(
         async with client.stream(
             "POST", CHAT, json=chat_body(tokens=5, fail_after=2), headers={"X-Turn-Id": "b"}
         ) as r:
-            got = await drain(r)
+            got = await events_of_a_cut_body(r)  # cut downstream too, after the error
         await settled(proxy)
     assert [e.text for e in got[:2]] == ["0 ", "1 "]
     assert len(got) == 3
@@ -192,7 +188,7 @@ async def test_stream_stalled_past_the_idle_timeout_ends_with_an_error_event(
             async with client.stream(
                 "POST", MESSAGES, json=chat_body(gated=True), headers={"X-Turn-Id": "s"}
             ) as r:
-                got = await drain(r)
+                got = await events_of_a_cut_body(r)
             seen = upstream.seen[0]
             await asyncio.wait_for(seen.closed.wait(), 5)  # closed by the proxy, not drained
             await settled(p)
@@ -226,7 +222,7 @@ async def test_event_over_the_size_limit_ends_the_stream_with_an_error(
     async with make_proxy(upstream.url, **{"upstream.max_event_bytes": 4096}) as p:
         async with p.client() as client:
             async with client.stream("POST", CHAT, content=b"not json") as r:
-                got = await drain(r)
+                got = await events_of_a_cut_body(r)
             await settled(p)
     assert [e.text for e in got[:1]] == ["ok"]
     assert len(got) == 2
@@ -246,7 +242,10 @@ async def test_invalid_utf8_ends_the_stream_with_an_error_and_closes_the_upstrea
                 first = await anext(it)
                 seen = upstream.seen[0]
                 seen.release(1)  # the bad event; the upstream then waits on its gate
-                rest = [e async for e in it]
+                rest = []
+                with pytest.raises(httpx.RemoteProtocolError):  # cut after the error
+                    async for e in it:
+                        rest.append(e)
             await asyncio.wait_for(seen.closed.wait(), 5)
             await settled(p)
     assert first.text == "ok"

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from proxy import logs, serve
 from proxy.config import load
 from tests.conftest import ProxyFactory
-from tests.sse_client import chat_body, events, open_stream
+from tests.sse_client import chat_body, events, events_of_a_cut_body, open_stream
 from tests.upstream import ScriptedUpstream, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -372,8 +372,10 @@ async def test_in_json_mode_every_line_the_process_writes_is_one_json_object(
         async with httpx.AsyncClient(base_url=url, timeout=10) as client:
             ok = await client.post(CHAT, json=chat_body("ok"), headers={"X-Turn-Id": "t1"})
             assert ok.status_code == 200
-            broken = await client.post(CHAT, json=chat_body("broken", fail_after=1))
-            assert "error" in broken.text  # the stream broke after one event
+            broken = chat_body("broken", fail_after=1)
+            async with client.stream("POST", CHAT, json=broken) as r:
+                got = await events_of_a_cut_body(r)
+            assert got[-1].is_error  # the stream broke after one event, and was cut
             rejected = await client.post(CHAT, json={}, headers={"X-Turn-Id": ""})
             assert rejected.status_code == 400
         reader, writer = await asyncio.open_connection(*url.removeprefix("http://").split(":"))

@@ -16,7 +16,7 @@ from proxy.logs import Record
 from proxy.metrics import Metrics
 from proxy.registry import MemoryRegistry
 from tests.conftest import Proxy, ProxyFactory
-from tests.sse_client import chat_body, events, open_stream
+from tests.sse_client import chat_body, events, events_of_a_cut_body, open_stream
 from tests.upstream import ScriptedUpstream, free_port
 
 CHAT = "/v1/chat/completions"
@@ -77,8 +77,8 @@ async def test_each_outcome_is_counted_by_upstream_dialect_and_outcome(
         # rejected: an empty turn id
         assert (await client.post(CHAT, json={}, headers={"X-Turn-Id": ""})).status_code == 400
         # upstream_error: the stream breaks after one event
-        broken = await client.post(CHAT, json=chat_body("b", fail_after=1))
-        assert "error" in broken.text
+        async with client.stream("POST", CHAT, json=chat_body("b", fail_after=1)) as broken:
+            assert (await events_of_a_cut_body(broken))[-1].is_error
         # superseded + completed: a retry of a gated turn
         a = await open_stream(stack, client, CHAT, chat_body("c", gated=True), {"X-Turn-Id": "k"})
         a_events = events(a)

@@ -15,6 +15,7 @@ from proxy.connection import HINT_CAP, keep_alive_expiry
 from proxy.transport import Transport
 from tests.conftest import ProxyFactory
 from tests.sse_client import chat_body
+from tests.stress import harness
 from tests.test_transport import Server, client, content_length_response, serve
 
 CHAT = "/v1/chat/completions"
@@ -89,6 +90,61 @@ async def test_a_read_timeout_on_a_reused_connection_is_not_retried() -> None:
             await c.get(server.url, timeout=httpx.Timeout(5, read=0.2))
         quiet.set()
     assert server.connections == 1 and len(server.requests) == 2
+
+
+def holds_every_request_but_the_first(seconds: float) -> ServerHandler:
+    """A provider that answers its first request (keep-alive), then takes every later one,
+    on any connection, says nothing for `seconds` and drops the connection: it may have
+    worked on the request (and billed it) all that time."""
+
+    async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while await server.read_request(r) is not None:
+            if len(server.requests) > 1:
+                await asyncio.sleep(seconds)
+                return  # Server._handle closes the socket: no response, no byte
+            w.write(content_length_response(b"ok"))
+            await w.drain()
+
+    return handler
+
+
+async def test_a_request_the_server_held_before_closing_is_never_sent_again() -> None:
+    """Not the stale keep-alive race: the server read the request and held it (longer than
+    RESEND_WITHIN) before it closed. Sent once; the failure says so."""
+    async with serve(holds_every_request_but_the_first(0.5)) as server:
+        async with client(Transport()) as c:
+            assert (await c.post(server.url, content=b"1")).content == b"ok"
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            with pytest.raises(httpx.RemoteProtocolError, match="not sent again"):
+                await c.post(server.url, content=b"2")
+            waited = loop.time() - start
+    assert server.connections == 1 and len(server.requests) == 2  # asked once
+    assert 0.5 <= waited < 1.0
+
+
+async def test_through_the_proxy_a_held_then_dropped_request_is_a_502_asked_once(
+    make_proxy: ProxyFactory,
+) -> None:
+    """Issue 27: a provider silent for 3 s after taking the request on a reused connection,
+    then closing. Directly the client gets its error after 3 s; through the proxy too, a 502
+    naming the cause, and the provider was asked once (a resend had it work twice and the
+    caller wait 6 s for the same failure)."""
+    async with serve(holds_every_request_but_the_first(3.0)) as server:
+        async with make_proxy(server.url) as p, p.client() as c:
+            harness.watch(p.runtime)
+            body = chat_body(stream=False) | {"stream": False}
+            assert (await c.post(CHAT, json=body)).status_code == 200
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            held = await c.post(CHAT, json=body)
+            waited = loop.time() - start
+            records = await harness.settled(p.runtime, 2)
+    assert held.status_code == 502
+    assert held.json()["error"]["code"] == "upstream_error"
+    assert len(server.requests) == 2 and server.connections == 1  # asked once
+    assert 3.0 <= waited < 4.5
+    assert "not sent again" in records[-1].cause
 
 
 async def test_through_the_proxy_the_client_never_sees_the_race(make_proxy: ProxyFactory) -> None:

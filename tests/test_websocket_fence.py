@@ -15,6 +15,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from proxy import health
 from proxy.errors import ShuttingDown
 from tests.conftest import Proxy, ProxyFactory
 from tests.redis_server import REDIS_SERVER, running_redis
@@ -67,6 +68,13 @@ async def opening(ws: ClientConnection) -> None:
     """The two events a gated response sends before its first token."""
     kinds = [json.loads(await ws.recv())["type"] for _ in range(2)]
     assert kinds == ["response.created", "response.output_item.added"]
+
+
+async def past_keepalives(ws: ClientConnection) -> dict[str, Any]:
+    """The next event that is not a keep-alive (those are relayed as they came)."""
+    while (event := json.loads(await ws.recv()))["type"] == "keepalive":
+        pass
+    return event  # type: ignore[no-any-return]
 
 
 def text_of(events: list[dict[str, Any]]) -> str:
@@ -228,6 +236,55 @@ async def test_identical_retry_of_a_stalled_response_supersedes_it_under_adaptiv
             assert (await events_until_end(retry))[-1]["type"] == "response.completed"
         assert gen1.cut
         await stalled.close()
+
+
+async def test_identical_retry_of_a_response_stalled_behind_keepalives_supersedes_it(
+    wsup: WsUpstream, make_proxy: ProxyFactory
+) -> None:
+    """The response sends OpenAI's `keepalive` events and nothing else: stalled all the same
+    (proxy.health, the rule HTTP follows). The identical response.create on another socket,
+    right after a keep-alive, supersedes it instead of going beside a stuck twin."""
+    overrides = {"upstream.on_retry": "adaptive", "upstream.healthy_within": 0.3}
+    async with make_proxy(wsup.url, **SCRIPT, **overrides) as proxy:
+        stalled = await connect(ws_url(proxy))
+        await stalled.send(create("same", gated=True, keepalive_every=0.05))
+        gen1 = (await wsup.wait_gens(1))[0]
+        await opening(stalled)
+        await asyncio.sleep(0.4)
+        gen1.pinged.clear()
+        await asyncio.wait_for(gen1.pinged.wait(), 5)  # a keep-alive, just now
+        async with connect(ws_url(proxy)) as retry:
+            await retry.send(create("same"))
+            told = await asyncio.wait_for(past_keepalives(stalled), 5)
+            assert told["code"] == "stream_superseded"
+            assert (await events_until_end(retry))[-1]["type"] == "response.completed"
+        assert gen1.cut and gen1.keepalives_sent >= 2
+        await stalled.close()
+
+
+@pytest.mark.parametrize("healthy", [True, False])
+async def test_the_twin_rule_is_the_health_function_http_uses(
+    wsup: WsUpstream, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch, healthy: bool
+) -> None:
+    """One rule: with proxy.health.healthy answering `healthy` whatever the clock says, an
+    identical response.create goes beside a running twin, or supersedes it."""
+    monkeypatch.setattr(health, "healthy", lambda alive_at, now, within: healthy)
+    overrides = {"upstream.on_retry": "adaptive", "upstream.healthy_within": 60}
+    async with make_proxy(wsup.url, **SCRIPT, **overrides) as proxy:
+        first = await connect(ws_url(proxy))
+        await first.send(create("same", gated=True))
+        gen1 = (await wsup.wait_gens(1))[0]
+        await opening(first)
+        async with connect(ws_url(proxy)) as second:
+            await second.send(create("same"))
+            assert (await events_until_end(second))[-1]["type"] == "response.completed"
+            if healthy:
+                gen1.release(10)
+                assert (await events_until_end(first))[-1]["type"] == "response.completed"
+            else:
+                assert json.loads(await first.recv())["code"] == "stream_superseded"
+        await first.close()
+    assert metric(proxy, "streamfence_supersedes_total", upstream="default") == (not healthy)
 
 
 async def test_client_leaving_mid_response_closes_upstream_and_releases(

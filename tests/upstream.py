@@ -53,6 +53,12 @@ class Script:
     json_body: Any = (
         None  # the whole JSON body of a non-streaming answer, instead of the generated one
     )
+    # A keep-alive block (exact SSE text) sent every `keepalive_every` seconds while the
+    # stream waits on its gate, and once between two events `delay` apart: a stream that
+    # stalls (or pauses) behind keep-alives, as OpenRouter's, Anthropic's and sse-starlette
+    # servers do. Not counted in `events_sent`.
+    keepalive: str | None = None
+    keepalive_every: float = 0.1
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> Script | None:
@@ -83,6 +89,8 @@ class Seen:
     broke: bool = False  # the script broke the connection itself (fail_after)
     over: asyncio.Event = field(default_factory=asyncio.Event)  # handler returned, any reason
     sent_event: asyncio.Event = field(default_factory=asyncio.Event)
+    keepalives_sent: int = 0
+    pinged: asyncio.Event = field(default_factory=asyncio.Event)  # set at each keep-alive
     _permits: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(0))
 
     def __repr__(self) -> str:
@@ -214,9 +222,9 @@ class ScriptedUpstream:
             gate_from = _token_offset(seen.path, script) + script.gated_after_tokens
         for i, event in enumerate(_events(seen.path, script)):
             if gate_from is not None and i >= gate_from:
-                await seen._permits.acquire()
+                await _gate(seen, send)
             elif i > 0 and script.delay:
-                await asyncio.sleep(script.delay)
+                await _pause(seen, send, script.delay)
             if script.fail_after is not None and i >= script.fail_after:
                 seen.broke = True
                 raise ConnectionAbortedError("scripted break")  # uvicorn drops the connection
@@ -224,6 +232,37 @@ class ScriptedUpstream:
             seen.events_sent += 1
             seen.sent_event.set()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _keepalive(seen: Seen, send: Any) -> None:
+    assert seen.script.keepalive is not None
+    body = seen.script.keepalive.encode()
+    await send({"type": "http.response.body", "body": body, "more_body": True})
+    seen.keepalives_sent += 1
+    seen.pinged.set()
+
+
+async def _gate(seen: Seen, send: Any) -> None:
+    """Until the test releases the next event; keep-alives meanwhile, if scripted."""
+    if seen.script.keepalive is None:
+        await seen._permits.acquire()
+        return
+    while True:
+        try:
+            await asyncio.wait_for(seen._permits.acquire(), seen.script.keepalive_every)
+            return
+        except TimeoutError:
+            await _keepalive(seen, send)
+
+
+async def _pause(seen: Seen, send: Any, delay: float) -> None:
+    """`delay` between two events, a keep-alive halfway through if scripted."""
+    if seen.script.keepalive is None:
+        await asyncio.sleep(delay)
+        return
+    await asyncio.sleep(delay / 2)
+    await _keepalive(seen, send)
+    await asyncio.sleep(delay / 2)
 
 
 def _extra(script: Script) -> list[tuple[bytes, bytes]]:

@@ -37,6 +37,9 @@ class Script:
     close_code: int | None = None  # the server closes the socket after response.created
     abort: bool = False  # the server drops the TCP connection after response.created
     error: str | None = None  # answer with an `error` event of this code instead
+    # While gated, OpenAI's keep-alive event ({"type": "keepalive", ...}) this often: a
+    # response that stalls behind keep-alives. Not counted in `events_sent`.
+    keepalive_every: float | None = None
 
     def token_list(self) -> list[str]:
         if isinstance(self.tokens, list):
@@ -53,6 +56,8 @@ class Gen:
     conn: Conn
     script: Script
     events_sent: int = 0
+    keepalives_sent: int = 0
+    pinged: asyncio.Event = field(default_factory=asyncio.Event)  # set at each keep-alive
     finished: bool = False
     cut: bool = False  # its connection closed before it finished
     over: asyncio.Event = field(default_factory=asyncio.Event)
@@ -203,8 +208,14 @@ class WsUpstream:
         await emit({"type": "response.output_item.added", "output_index": 0, "item": item})
         text = ""
         for token in script.token_list():
-            if script.gated:
-                await gen._permits.acquire()
+            while script.gated:
+                try:
+                    await asyncio.wait_for(gen._permits.acquire(), script.keepalive_every)
+                    break
+                except TimeoutError:
+                    await ws.send(json.dumps({"type": "keepalive", "sequence_number": next(seq)}))
+                    gen.keepalives_sent += 1
+                    gen.pinged.set()
             if script.delay:
                 await asyncio.sleep(script.delay)
             text += token

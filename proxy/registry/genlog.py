@@ -7,7 +7,7 @@ is one round trip, on one server or a cluster):
                                    'b' batch (the complete events of one upstream read:
                                    first index, lengths, bytes), 'e' end (outcome)
     streamfence:{K}:gen:T:meta     a hash: body hash, streaming mode, status, headers, `at`
-                                   (the writer's last stamp), `last` (last upstream byte),
+                                   (the writer's last stamp), `last` (health: content only),
                                    `ended`
     streamfence:{K}:gen:T:readers  a sorted set: reader id -> expiry (Redis's clock)
 

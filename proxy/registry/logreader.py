@@ -51,7 +51,9 @@ class Meta:
     ended: str | None  # an outcome once the end marker is written
     events: int  # events published so far
     since_write: float  # seconds since the writer's last stamp (Redis's clock)
-    since_activity: float  # seconds since the later of the request and its last batch
+    # Seconds since the later of the request, the response headers and the last batch with
+    # content (proxy.health: keep-alives do not count), by Redis's clock.
+    since_activity: float
 
     @classmethod
     def parse(cls, now_ms: int, pairs: Sequence[bytes]) -> Meta:
@@ -91,6 +93,7 @@ class LogReader:
         self.start: Start | None = None
         self.outcome: str | None = None
         self.meta: Meta | None = None
+        self.checked_at = 0.0  # when `meta` was read (time.monotonic)
         self._keys = log.keys(key, token)
         self._last_id: bytes = b"0-0"
         self._next = 0 if after is None else after + 1  # the first index still wanted
@@ -108,6 +111,7 @@ class LogReader:
         if len(reply) < 2:
             raise GenerationLost("not_found" if self.meta is None else "lost", _MESSAGES["lost"])
         self.meta = meta = Meta.parse(int(reply[0]), reply[1:])
+        self.checked_at = time.monotonic()
         if self.start is None:
             self.start = meta.start
         if not meta.writer_alive:

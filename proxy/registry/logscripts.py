@@ -27,10 +27,12 @@ return nows
 )
 
 # ARGV: ttl ms ('0': a batch between refreshes, which neither extends the expiry nor counts
-# the readers: -2), maxlen, entry kind ('' for a heartbeat: no entry), m, then m meta field
-# pairs, then the entry's field pairs. Stamps the writer's liveness (`at`; a batch also
-# `last`, the time of the last upstream byte, for the health rule), extends every
-# key's expiry and returns how many readers are registered, or -1 if the log is gone
+# the readers: -2), maxlen, entry kind ('' for a heartbeat: no entry), alive ('1': the
+# response headers, or a batch with content in it), m, then m meta field pairs, then the
+# entry's field pairs. Stamps the writer's liveness (`at`, on every write) and, if alive,
+# `last`: the later of the request, the response headers and the last content event, which
+# the health rule reads (proxy.health; keep-alives and heartbeats do not move it). Extends
+# every key's expiry and returns how many readers are registered, or -1 if the log is gone
 # (Redis restarted or evicted it): then it leaves an end readers can see, and the writer
 # stops publishing.
 WRITE = (
@@ -41,14 +43,14 @@ if redis.call('EXISTS', KEYS[1], KEYS[2]) < 2 then
   redis.call('PEXPIRE', KEYS[1], ARGV[1])
   return -1
 end
-local m = tonumber(ARGV[4])
+local m = tonumber(ARGV[5])
 local hset = {'HSET', KEYS[2], 'at', nows}
-if ARGV[3] == 'b' then hset[#hset + 1] = 'last'; hset[#hset + 1] = nows end
-for i = 5, 4 + 2 * m do hset[#hset + 1] = ARGV[i] end
+if ARGV[4] == '1' then hset[#hset + 1] = 'last'; hset[#hset + 1] = nows end
+for i = 6, 5 + 2 * m do hset[#hset + 1] = ARGV[i] end
 redis.call(unpack(hset))
 if ARGV[3] ~= '' then
   local xadd = {'XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'k', ARGV[3]}
-  for i = 5 + 2 * m, #ARGV do xadd[#xadd + 1] = ARGV[i] end
+  for i = 6 + 2 * m, #ARGV do xadd[#xadd + 1] = ARGV[i] end
   redis.call(unpack(xadd))
 end
 if ARGV[1] == '0' then return -2 end

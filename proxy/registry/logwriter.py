@@ -40,6 +40,9 @@ class _Write(NamedTuple):
     kind: str  # 'o' open, '' heartbeat, 's' started, 'b' batch, 'e' end
     meta: list[Any]  # field pairs for the meta hash
     entry: list[Any]  # field pairs for the stream entry
+    # It moves the log's `last` (proxy.health): the response headers, or a batch with some
+    # content in it. Keep-alives alone do not, nor the writer's own heartbeat (`at` only).
+    alive: bool = False
 
 
 HEARTBEAT_WRITE = _Write("", [], [])
@@ -93,10 +96,13 @@ class LogWriter:
 
     def started(self, status: int, headers: Sequence[tuple[str, str]]) -> None:
         pairs = json.dumps([list(h) for h in headers])
-        self._put(_Write("s", ["status", status, "headers", pairs], ["s", status, "h", pairs]))
+        self._put(
+            _Write("s", ["status", status, "headers", pairs], ["s", status, "h", pairs], True)
+        )
 
-    def append(self, events: Sequence[bytes]) -> None:
-        """Queue the complete events of one upstream read."""
+    def append(self, events: Sequence[bytes], content: bool = True) -> None:
+        """Queue the complete events of one upstream read; `content`: some of them is not a
+        keep-alive (`dialects.carries_content`), which keeps the generation healthy."""
         if not events or self.broken or self._ending:
             return
         first = self._next
@@ -108,8 +114,10 @@ class LogWriter:
         last = self._queue[-1] if self._queue else None
         if last is not None and last.kind == "b":  # coalesce: still one write
             last.entry[1].extend(events)
+            if content and not last.alive:
+                self._queue[-1] = last._replace(alive=True)
         else:
-            self._put(_Write("b", [], [first, list(events)]))
+            self._put(_Write("b", [], [first, list(events)], content))
 
     async def end(self, outcome: str) -> None:
         """Write the end marker (completed / failed / superseded) and stop; waits at most
@@ -220,7 +228,8 @@ class LogWriter:
             first, events = entry
             meta += ["next", first + len(events)]
             entry = ["i", first, "l", ",".join(str(len(e)) for e in events), "d", b"".join(events)]
-        args = [ttl, self.log.maxlen, write.kind, len(meta) // 2, *meta, *entry]
+        alive = "1" if write.alive else "0"
+        args = [ttl, self.log.maxlen, write.kind, alive, len(meta) // 2, *meta, *entry]
         return (self.log._write, self._keys, args)
 
     def _put(self, write: _Write) -> None:

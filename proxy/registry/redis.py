@@ -62,6 +62,7 @@ class Follow(NamedTuple):
     attempt: int
     events: int  # published so far
     reader_id: str = ""  # registered as a reader of its log under this id, by the claim
+    quiet: float = 0.0  # seconds since its last sign of life (proxy.health), Redis's clock
 
 
 class RedisRegistry(Registry):
@@ -208,7 +209,8 @@ class RedisRegistry(Registry):
         finally:
             self._handshake.claimed(key)
         if reply[0] == b"follow":
-            return Follow(int(reply[1]), int(reply[2]), int(reply[3]))
+            quiet = int(reply[4]) / 1000 if len(reply) > 4 else 0.0
+            return Follow(int(reply[1]), int(reply[2]), int(reply[3]), quiet=quiet)
         if reply[0] == b"beside":
             return "beside"
         token_raw, attempt_raw, prev_raw = reply

@@ -3,6 +3,8 @@ and a release can never interleave with another process's."""
 
 from __future__ import annotations
 
+from proxy import health
+
 # A claim carries an id of its own (`by`), kept in the entry: redis-py sends a command again
 # after a connection error, which may come after Redis ran it (the reply lost on the way).
 # Run again, a claim answers what it answered the first time, instead of claiming over
@@ -39,8 +41,9 @@ CLAIM = (
 
 # The claim of a followable generation (CONTRACT section 3, across processes), atomic: if
 # the turn's holder publishes a log (genlog) for an identical request, in the same streaming
-# mode, whose writer is alive and which is healthy (or `join`), answer {'follow', token,
-# attempt, events published} and claim nothing; in the other mode while healthy, {'beside'};
+# mode, whose writer is alive and which is healthy (proxy.health's rule on the log's `last`,
+# which moves on content only; or `join`), answer {'follow', token, attempt, events
+# published, ms since `last`} and claim nothing; in the other mode while healthy, {'beside'};
 # otherwise claim, and create the new generation's log in the same step, so that a twin on
 # another process a moment later finds it. The log's keys are built from the token (same
 # hash tag as the entry: the same slot).
@@ -48,7 +51,8 @@ CLAIM = (
 # hash, mode, healthy ms, join ('1'/'0'), log ttl ms, maxlen, dead-after ms, reader id (also
 # the claim id), reader ttl ms.
 CLAIM_OR_FOLLOW = (
-    "local by = ARGV[12]"
+    health.LUA
+    + "local by = ARGV[12]"
     + _AGAIN
     + """
 local now = redis.call('TIME')
@@ -57,16 +61,17 @@ if entry[1] then
   local m = redis.call('HMGET', ARGV[4] .. entry[1] .. ':meta', 'body', 'mode', 'at', 'last',
     'ended', 'next')
   if m[1] == ARGV[5] and not m[5] and ms - tonumber(m[3]) <= tonumber(ARGV[11]) then
-    local healthy = ms - tonumber(m[4]) < tonumber(ARGV[7])
-    if m[2] == ARGV[6] and (healthy or ARGV[8] == '1') then
+    local quiet = ms - tonumber(m[4])
+    local alive = healthy(tonumber(m[4]), ms, tonumber(ARGV[7]))
+    if m[2] == ARGV[6] and (alive or ARGV[8] == '1') then
       -- Counted as a reader from now on: the writer must not close its upstream between
       -- this answer and the follower's first read.
       local readers = ARGV[4] .. entry[1] .. ':readers'
       redis.call('ZADD', readers, ms + tonumber(ARGV[13]), ARGV[12])
       redis.call('PEXPIRE', readers, ARGV[9])
-      return {'follow', entry[1], entry[2], m[6] or '0'}
+      return {'follow', entry[1], entry[2], m[6] or '0', quiet}
     end
-    if m[2] ~= ARGV[6] and healthy then return {'beside'} end
+    if m[2] ~= ARGV[6] and alive then return {'beside'} end
   end
 end
 """

@@ -99,6 +99,7 @@ class NodeWorker:
             "prompt": call.prompt,
             "stream": call.stream,
             "turn": call.turn,
+            "headers": call.headers,
         }
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(line) + "\n")

@@ -22,6 +22,7 @@ class Call:
     prompt: str = "hi"
     stream: bool = True
     turn: str | None = None  # an explicit X-Turn-Id
+    headers: dict[str, str] = field(default_factory=dict)  # more request headers
     first: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -47,7 +48,7 @@ Adapter = Callable[[Call], Awaitable[Outcome]]
 
 
 def _headers(call: Call) -> dict[str, str]:
-    return {"X-Turn-Id": call.turn} if call.turn else {}
+    return {**call.headers, **({"X-Turn-Id": call.turn} if call.turn else {})}
 
 
 async def _collect(call: Call, pieces: AsyncIterator[str]) -> Outcome:

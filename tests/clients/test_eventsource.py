@@ -103,8 +103,12 @@ class Cuttable:
         self.target_port = int(target.rsplit(":", 1)[1])
         self.links: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
         self.url = ""
+        self.refusing = False  # the network is down: new connections are dropped at once
 
     async def _link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.refusing:
+            writer.transport.abort()
+            return
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         link = (writer, up_writer)
         self.links.add(link)
@@ -128,6 +132,14 @@ class Cuttable:
         for down, up in list(self.links):
             down.transport.abort()
             up.transport.abort()
+
+    def down(self) -> None:
+        """Cut, and drop every reconnect until `up()`."""
+        self.refusing = True
+        self.cut()
+
+    def up(self) -> None:
+        self.refusing = False
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[Cuttable]:
@@ -259,3 +271,61 @@ async def test_dropped_event_source_resumes_after_its_last_event_id(
     assert [m["data"] for m in a["messages"]] == [f"e{i}" for i in range(6)]  # no duplicate
     assert len(stream_requests(upstream)) == 1
     assert all(f"data: e{i}" in other_text for i in range(6))
+
+
+async def test_a_reconnect_naming_a_superseded_generation_gets_the_new_one_from_its_start(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory, tmp_path: Path
+) -> None:
+    """Resume never splices (CONTRACT section 3): tab A's connection drops mid-stream (a0,
+    a1 read; another client holds the generation); while it is down, the generation stalls
+    and a third client of the turn supersedes it. When the network is back the browser
+    reconnects with A's Last-Event-ID, which names the superseded generation: it gets the new
+    generation from its first event, never the rest of the old one, nor the new one from A's
+    event number. Two upstream requests."""
+    upstream.queue.extend(
+        [
+            page_script(),
+            Script(stream=True, raw=sse("a0", "a1", "a2", "a3"), gated=True),
+            Script(stream=True, raw=sse(*(f"b{i}" for i in range(6)), retry=None), gated=True),
+        ]
+    )
+    url = f"{EVENTS}?streamfence_turn=tab-turn"
+    overrides = {"upstream.healthy_within": HEALTHY_WITHIN}
+    async with (
+        make_proxy(upstream.url, **overrides) as proxy,
+        Cuttable(proxy.url).running() as relay,
+        browser_on(relay, tmp_path) as page,
+        proxy.client() as other,
+        other.stream("GET", url) as held,  # holds the first generation while A is away
+    ):
+        assert held.headers["x-streamfence-source"] == "upstream"
+        await page.text(f"openSource('a', {json.dumps(url)})")
+        await until(page, "logOf('a').messages.length === 1")
+        old = stream_requests(upstream)[0]
+        old.release(1)
+        await until(page, "logOf('a').messages.length === 2")
+        relay.down()
+        await asyncio.sleep(HEALTHY_WITHIN + 0.2)  # the old generation stalls meanwhile
+        async with other.stream("GET", url) as newer:  # supersedes it: attempt 2
+            assert newer.headers["x-streamfence-source"] == "upstream"
+            assert newer.headers["x-streamfence-attempt"] == "2"
+            await asyncio.wait_for(old.closed.wait(), 5)
+            new = stream_requests(upstream)[1]
+            new.release(2)  # b0, b1 are out before A is back
+            await new.wait_sent(2)
+            relay.up()
+            await until(page, "logOf('a').messages.length === 4")  # reconnected: b0, b1
+            new.release(10)
+            await until(page, "isClosed('a')")  # the end: 204 on its last reconnect
+            other_text = (await newer.aread()).decode()
+        a = await log_of(page, "a")
+        held_text = (await held.aread()).decode()
+    got = [m["data"] for m in a["messages"]]
+    assert got == ["a0", "a1", *(f"b{i}" for i in range(6))]
+    old_ids, new_ids = [m["id"] for m in a["messages"][:2]], [m["id"] for m in a["messages"][2:]]
+    assert len({i.split("-")[0] for i in old_ids}) == len({i.split("-")[0] for i in new_ids}) == 1
+    assert old_ids[0].split("-")[0] != new_ids[0].split("-")[0]  # two generations' tokens
+    assert [i.split("-")[1] for i in new_ids] == [str(n) for n in range(1, 7)]  # from its start
+    assert all(f"data: b{i}" in other_text for i in range(6))
+    assert SUPERSEDED in held_text and "data: b0" not in held_text
+    assert len(stream_requests(upstream)) == 2

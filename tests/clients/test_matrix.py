@@ -16,6 +16,10 @@ Scenarios (CONTRACT sections 2-4):
 - turn_id: the same explicit X-Turn-Id with another body supersedes.
 - stream_vs_whole: a non-streaming request with the same body as a healthy stream is
   forwarded beside it: both complete, neither is fenced.
+- keepalive_stall_retry: stall_retry, the stuck stream sending its provider's keep-alives
+  all along (CONTRACT section 3: keep-alives are not content).
+- keepalives: a stream with its provider's keep-alives between tokens passes through whole
+  (Gemini paths drop comment lines: google-genai fails on them).
 """
 
 from __future__ import annotations
@@ -72,6 +76,20 @@ ON_CONFLICT = {
     "node-ai-sdk-openai-responses": None,
     "node-ai-sdk-anthropic": None,
 }
+
+
+# The keep-alive each library's provider sends while it works (docs/keepalives.md): Gemini's
+# is what intermediaries send (Google's API sends none).
+KEEPALIVES = {
+    "responses": 'event: keepalive\ndata: {"type":"keepalive","sequence_number":9}\n\n',
+    "anthropic": 'event: ping\ndata: {"type": "ping"}\n\n',
+    "genai": ": keepalive\n\n",
+    "chat": ": OPENROUTER PROCESSING\n\n",
+}
+
+
+def keepalive_for(client: str) -> str:
+    return next((v for k, v in KEEPALIVES.items() if k in client), KEEPALIVES["chat"])
 
 
 def text(prefix: str, n: int) -> str:
@@ -134,6 +152,43 @@ async def test_stall_then_retry_from_a_second_client(world: World) -> None:
     assert loser.text == "A0 "  # nothing of attempt 1 after the retry
     assert len(up.seen) == 2
     assert up.seen[0].closed.is_set()  # superseded: closed, not drained
+
+
+@clients
+async def test_stall_behind_keepalives_then_retry_from_a_second_client(world: World) -> None:
+    up = world.upstream
+    keepalive = keepalive_for(world.client)
+    up.queue.extend(
+        [
+            Script(tokens=4, gated_after_tokens=1, prefix="A", keepalive=keepalive),
+            Script(tokens=4, prefix="B"),
+        ]
+    )
+    a = world.call()
+    a_task = world.start(a)
+    await first(a.first)
+    await asyncio.sleep(HEALTHY_WITHIN + 0.2)  # no content for so long, keep-alives all along
+    stuck = up.seen[0]
+    stuck.pinged.clear()
+    await asyncio.wait_for(stuck.pinged.wait(), 5)  # the retry comes right after one
+    b = await world.run(world.call())
+    loser = await asyncio.wait_for(a_task, 10)
+    record(world, "keepalive_stall_retry", loser=loser, winner=b)
+    assert b == Outcome(text=text("B", 4))  # a fresh answer, not the stuck one
+    assert_superseded(loser, ON_FRAME[world.client])
+    assert loser.text == "A0 "
+    assert len(up.seen) == 2
+    assert stuck.closed.is_set()
+
+
+@clients
+async def test_keepalives_between_tokens_pass_through(world: World) -> None:
+    up = world.upstream
+    up.queue.append(Script(tokens=5, delay=0.1, prefix="K", keepalive=keepalive_for(world.client)))
+    outcome = await world.run(world.call())
+    record(world, "keepalives", outcome=outcome)
+    assert outcome == Outcome(text=text("K", 5))
+    assert up.seen[0].keepalives_sent >= 4 and len(up.seen) == 1
 
 
 @clients

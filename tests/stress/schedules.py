@@ -40,6 +40,7 @@ CHAT = "/v1/chat/completions"
 PUSH = 1000  # permits that release a gated upstream for good
 _DRIVERS = itertools.count(1)
 CLOSE_LIMIT = 2.0  # seconds for the upstream to see a fenced attempt's connection closed
+CUT = "upstream_error"  # the error event after which a body broken upstream is cut
 
 
 @dataclass(frozen=True)
@@ -279,8 +280,12 @@ class Driver:
                         return
         except asyncio.CancelledError:
             run.leaving = True
-        except httpx.HTTPError as exc:  # the proxy must always end a response properly
-            run.broken = f"{type(exc).__name__}: {exc}"
+        except httpx.HTTPError as exc:  # the proxy must always end a response properly:
+            # cleanly, or (an upstream break) cut right after its error event (CONTRACT 5)
+            last = run.events[-1] if run.events else None
+            cut = isinstance(exc, httpx.RemoteProtocolError) and last is not None
+            if not (cut and last is not None and _kind(last, run.tag) == ("error", CUT)):
+                run.broken = f"{type(exc).__name__}: {exc}"
         finally:
             run.done = True
             run.notify()

@@ -5,7 +5,7 @@
 //       one call, then exit (for a developer trying one client by hand)
 //   node call.mjs --serve
 //       calls read from stdin, one JSON a line ({"id", "client", "base", "prompt", "stream",
-//       "turn"}), run concurrently; also prints {"id", "first": true} when a call's first
+//       "turn", "headers"}), run concurrently; also prints {"id", "first": true} when a call's first
 //       text arrives, so that a test can act mid-stream. tests/clients/ uses this mode: one
 //       process for the whole session, so two calls 50 ms apart leave 50 ms apart.
 import { createInterface } from "node:readline";

@@ -6,7 +6,7 @@
 const API_KEY = "sk-streamfence-client-test";
 globalThis.AI_SDK_LOG_WARNINGS = false; // "model m is unknown": it is, on purpose
 
-const headers = (call) => (call.turn ? { "X-Turn-Id": call.turn } : {});
+const headers = (call) => ({ ...(call.headers ?? {}), ...(call.turn ? { "X-Turn-Id": call.turn } : {}) });
 const messages = (call) => [{ role: "user", content: call.prompt }];
 
 async function openaiClient(call) {
