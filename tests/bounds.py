@@ -67,12 +67,16 @@ class _Bound:
     def soft(self) -> float:
         return self.started + self.hard * SOFT_SHARE
 
+    @property
+    def end(self) -> float:
+        return self.started + self.hard
+
     def step_deadline(self, teardown: bool) -> float:
         if not teardown:
             return self.soft
         now = time.monotonic()
         # A teardown step after a fired watchdog still gets its seconds, inside the bound.
-        return min(max(self.soft, now + TEARDOWN_STEP), self.started + self.hard - 1.0)
+        return min(max(self.soft, now + TEARDOWN_STEP), self.end - 1.0)
 
 
 _current: _Bound | None = None
@@ -278,6 +282,9 @@ def _cancel_all_tasks(loop: asyncio.AbstractEventLoop) -> None:
     """asyncio.runners._cancel_all_tasks, bounded: cancelled again until they end."""
     everyone: set[asyncio.Task[Any]] = set()
     deadline = time.monotonic() + SETTLE
+    if _current is not None:  # inside the test's bound, with a moment left for the report
+        deadline = min(deadline, max(time.monotonic() + 1.0, _current.end - 0.5))
+    settle = deadline - time.monotonic()
     while pending := {t for t in asyncio.all_tasks(loop) if not t.done()}:
         everyone |= pending
         if time.monotonic() >= deadline:
@@ -285,13 +292,14 @@ def _cancel_all_tasks(loop: asyncio.AbstractEventLoop) -> None:
             for task in pending:
                 asyncio.tasks._unregister_task(task)  # nothing waits for it any more
             _left_over.append(
-                f"{len(pending)} task(s) did not end within {SETTLE:g} s of being cancelled "
+                f"{len(pending)} task(s) did not end within {settle:.1f} s of being cancelled "
                 f"(again every {RECANCEL_EVERY:g} s) when the test's event loop closed:\n{report}"
             )
             break
         for task in pending:
             task.cancel()
-        loop.run_until_complete(asyncio.wait(pending, timeout=RECANCEL_EVERY))
+        wait = min(RECANCEL_EVERY, deadline - time.monotonic())
+        loop.run_until_complete(asyncio.wait(pending, timeout=max(wait, 0.01)))
     for task in everyone:  # as asyncio's own: an error a task ended with is reported
         if task.done() and not task.cancelled() and task.exception() is not None:
             loop.call_exception_handler(
