@@ -71,3 +71,16 @@ def test_a_key_stays_live_until_every_lease_claimed_for_it_is_released() -> None
     assert len(book) == 1  # the superseded first one is still streaming its frame
     book.released(first)
     assert len(book) == 0
+
+
+def test_a_claim_heard_for_the_very_lease_held_or_followed_here_fences_nothing() -> None:
+    # Every process hears its own claims on the channel, and a follower hears the claim of
+    # the generation it follows: neither may fence the lease that claim made.
+    book = Book()
+    mine, followed = Lease("k", 5, 1), Lease("j", 7, 2)
+    book.claimed(mine, 0)
+    book.watch(followed)
+    assert book.heard("k", 5, 1, 0) is False
+    assert book.heard("j", 7, 2, 0) is False
+    assert not mine.superseded and not followed.superseded
+    assert book.holders() == [mine]

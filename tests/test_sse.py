@@ -512,3 +512,16 @@ def test_the_proxys_event_ids_round_trip_and_anything_else_is_no_resume_point(
 ) -> None:
     assert resumes_after(header, 7) == number
     assert resumes_after(event_id(7, 41), 7) == 41
+
+
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])
+def test_the_proxys_id_is_the_last_line_of_the_event_in_the_events_own_line_endings(
+    ending: bytes,
+) -> None:
+    event = b"event: delta" + ending + b"id: upstream-9" + ending + b"data: x" + ending + ending
+    stamped = sse.with_id(event, event_id(7, 3))
+    assert stamped == event[: -len(ending)] + b"id: 7-3" + ending + ending
+    # Still one event, whatever the chunking, and a client's last id is the proxy's.
+    assert split_all([stamped[:5], stamped[5:]]) == expected_after_flush([stamped])
+    assert parse_fields(stamped) == {"event": "delta", "id": "7-3", "data": "x"}
+    assert [d.last_event_id for d in reference_events(stamped)] == ["7-3"]
