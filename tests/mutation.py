@@ -215,16 +215,15 @@ def line_map(module: str, files: list[str], work: Path) -> tuple[dict[int, set[s
 
 
 # -- one module ------------------------------------------------------------------------------
-def select(mutant: Mutant, by_line: dict[int, set[str]], files: list[str]) -> list[str] | None:
-    """The tests to run for `mutant`: those executing its lines; None if none does."""
+def select(mutant: Mutant, by_line: dict[int, set[str]], times: dict[str, float]) -> list[str]:
+    """The tests to run for `mutant`: those executing its lines (every test, for a line run
+    at import), quickest first: with -x a mutant is killed by the first test that fails."""
     ids: set[str] = set()
     for line in range(mutant.line, mutant.end_line + 1):
         ids |= by_line.get(line, set())
-    if not ids:
-        return None
     if "" in ids:  # executed at import: any test may see it
-        return list(files)
-    return sorted(ids, key=lambda i: (files.index(i.split("::")[0]), i))
+        ids = set(times)
+    return sorted(ids - {""}, key=lambda i: (times.get(i, 1.0), i))
 
 
 def run_module(path: str, spec: dict[str, Any], args: argparse.Namespace) -> None:
@@ -255,13 +254,12 @@ def run_module(path: str, spec: dict[str, Any], args: argparse.Namespace) -> Non
         done = results.get(mutant.key)
         if done and (done["status"] != SURVIVED or done.get("tests") == test_digest):
             continue  # a kill stays a kill; a survivor is tried again on changed tests
-        chosen = select(mutant, by_line, files)
-        if chosen is None:
+        chosen = select(mutant, by_line, times)
+        if not chosen:
             results[mutant.key] = {"status": UNCOVERED, "line": mutant.line}
             save(cache_file, cache)
             continue
-        own = sum(times.get(i, 1.0) for i in chosen) if chosen != files else sum(times.values())
-        limit = min(args.factor * own + 20.0, 900.0)
+        limit = min(args.factor * sum(times.get(i, 1.0) for i in chosen) + 20.0, 900.0)
         code = run_child(
             [*PYTEST, "-x", "--no-cov", "-p", "no:randomly", *chosen],
             timeout=limit,
