@@ -4,7 +4,8 @@ the scores are in docs/testing.md).
     scripts/mutate                         every module of tests/mutation.toml
     scripts/mutate proxy/sse.py ...        some of them
     scripts/mutate --list proxy/sse.py     its mutants, numbered
-    scripts/mutate --show proxy/sse.py:12  run mutant 12 with pytest's output
+    scripts/mutate --show proxy/sse.py:12  run mutant 12 with pytest's output (with the
+                                           module's tests, or the test files named after)
     scripts/mutate --report                the scores, from the cache (markdown)
 
 A mutant is one small change to a module's syntax tree (tests/mutants.py). It is run by the
@@ -337,14 +338,14 @@ def report(table: dict[str, Any]) -> None:
         )
 
 
-def show(target: str, table: dict[str, Any]) -> None:
+def show(target: str, table: dict[str, Any], tests: list[str]) -> None:
     path, _, number = target.rpartition(":")
     spec = table["modules"][path]
     lua = bool(spec.get("lua"))
     mutant = mutants(ROOT / path, lua=lua)[int(number)]
     print(f"line {mutant.line}: {mutant.key}", flush=True)
     code = run_child(
-        [*PYTEST, "-x", "--no-cov", *[str(f) for f in spec["tests"]]],
+        [*PYTEST, "-x", "--no-cov", *(tests or [str(f) for f in spec["tests"]])],
         timeout=3600,
         mutant=(module_name(path), ROOT / path, mutated_code(ROOT / path, int(number), lua=lua)),
         quiet=False,
@@ -366,9 +367,9 @@ def main(argv: list[str] | None = None) -> None:
     table = load_table()
     if args.report:
         return report(table)
-    if args.show:
-        warm_up(table["modules"][args.show.rpartition(":")[0]]["tests"])
-        return show(args.show, table)
+    if args.show:  # the positional arguments are then the tests to run it with
+        warm_up(args.modules or table["modules"][args.show.rpartition(":")[0]]["tests"])
+        return show(args.show, table, args.modules)
     chosen = args.modules or list(table["modules"])
     for path in chosen:
         if path not in table["modules"]:
