@@ -111,6 +111,7 @@ class _Walk(ast.NodeTransformer):
         self.count = 0
         self.found: list[tuple[str, int, int]] = []  # (where: what, line, end line)
         self.scope: list[str] = []
+        self.in_class: list[bool] = [False]  # the innermost scope is a class body
 
     def point(self, node: ast.AST, what: str, make: Callable[[], ast.AST]) -> ast.AST | None:
         n = self.count
@@ -131,6 +132,7 @@ class _Walk(ast.NodeTransformer):
 
     def _scoped(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> ast.AST:
         self.scope.append(node.name)
+        self.in_class.append(isinstance(node, ast.ClassDef))
         try:
             if not isinstance(node, ast.ClassDef):
                 args = node.args
@@ -139,6 +141,7 @@ class _Walk(ast.NodeTransformer):
             node.body = self._body(node.body)
         finally:
             self.scope.pop()
+            self.in_class.pop()
         return node
 
     def visit_Module(self, node: ast.Module) -> ast.AST:
@@ -178,7 +181,11 @@ class _Walk(ast.NodeTransformer):
 
     def generic_visit(self, node: ast.AST) -> ast.AST:
         if isinstance(node, ast.stmt) and not self.lua:
+            # `name: type` alone declares nothing at run time, but a class's field.
+            declaration = isinstance(node, ast.AnnAssign) and node.value is None
             if isinstance(node, _DELETABLE) and not _keep(node):
+                if declaration and not self.in_class[-1]:
+                    return node
                 gone = self.point(node, f"delete `{_text(node)}`", ast.Pass)
                 if gone is not None:
                     return gone

@@ -126,3 +126,4 @@ def test_unwatching_one_followed_generation_keeps_the_others_of_its_key_watched(
     assert second.superseded and not first.superseded
     book.unwatch(second)
     book.unwatch(second)  # twice: nothing left to forget
+    assert book._watched == {}  # and no emptied set per key left behind: nothing leaks

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
+import pytest
 
 from proxy.buffer import Budget
 from proxy.follow import Ask
@@ -421,7 +422,23 @@ async def test_a_client_that_finds_the_whole_answer_in_ends_with_it_in_one_write
     await asyncio.gather(holding, return_exceptions=True)
 
 
-async def test_the_reader_ends_its_clients_response_with_the_last_read() -> None:
+@pytest.mark.parametrize(
+    ("last", "bodies", "ends"),
+    [
+        (b"data: [DONE]\n\n", [b"data: one\n\n", b"data: [DONE]\n\n"], [False, True]),
+        # An unterminated last event, one byte long: it is completed at the end and still
+        # written, so the response cannot end with the event before it.
+        (
+            b"data: [DONE]\n\n:",
+            [b"data: one\n\n", b"data: [DONE]\n\n", b":\n\n", b""],
+            [False, False, False, True],
+        ),
+    ],
+    ids=["whole", "unterminated-tail"],
+)
+async def test_the_reader_ends_its_clients_response_with_the_last_read(
+    last: bytes, bodies: list[bytes], ends: list[bool]
+) -> None:
     # Over the real transport: the upstream's last write holds the last event and the end of
     # its chunked body, so the reader, writing for its caught-up client, ends the response.
     last_part = asyncio.Event()
@@ -434,7 +451,7 @@ async def test_the_reader_ends_its_clients_response_with_the_last_read() -> None
             b"transfer-encoding: chunked\r\n\r\n" + _chunked(b"data: one\n\n")
         )
         await last_part.wait()
-        writer.write(_chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        writer.write(_chunked(last) + b"0\r\n\r\n")
         await writer.drain()
         writer.close()
 
@@ -451,8 +468,8 @@ async def test_the_reader_ends_its_clients_response_with_the_last_read() -> None
     finally:
         server.close()
         await transport.aclose()
-    assert client.bodies == [b"data: one\n\n", b"data: [DONE]\n\n"]
-    assert client.ends == [False, True]
+    assert client.bodies == bodies
+    assert client.ends == ends
     assert finished[0].outcome == "completed"
 
 
