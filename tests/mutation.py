@@ -165,12 +165,16 @@ def warm_up(files: Sequence[str]) -> None:
     import pytest  # noqa: F401
 
 
+# Third-party modules only: none whose file is in the repository (bench/ imports the proxy).
 _LIST_IMPORTS = """
-import importlib, sys
+import importlib, os, sys
 for name in sys.argv[1:]:
     importlib.import_module(name)
-ours = ("proxy", "tests", "__main__")
-print("\\n".join(m for m in list(sys.modules) if m.partition(".")[0] not in ours))
+root = os.path.realpath(".") + os.sep
+def ours(module):
+    path = os.path.realpath(getattr(module, "__file__", None) or "")
+    return path.startswith(root) and "site-packages" not in path
+print("\\n".join(n for n, m in list(sys.modules.items()) if n != "__main__" and not ours(m)))
 """
 
 
@@ -250,6 +254,8 @@ def run_module(path: str, spec: dict[str, Any], args: argparse.Namespace) -> Non
     found = mutants(ROOT / path, lua=bool(spec.get("lua")))
     results: dict[str, Any] = cache["results"]
     name = module_name(path)
+    if name in sys.modules:  # the children would run it as it is, not mutated
+        raise SystemExit(f"{name} was imported before its mutants ran: a bug of the warm-up")
     started = time.monotonic()
     for n, mutant in enumerate(found):
         done = results.get(mutant.key)
