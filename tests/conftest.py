@@ -23,6 +23,9 @@ from tests.redis_server import (  # noqa: F401 - fixtures: a Redis server, or a 
 )
 from tests.upstream import ScriptedUpstream, serve
 
+# Every test ends within its bound, teardown included (tests/bounds.py).
+pytest_plugins = ["tests.bounds"]
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object) -> None:

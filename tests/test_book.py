@@ -71,3 +71,59 @@ def test_a_key_stays_live_until_every_lease_claimed_for_it_is_released() -> None
     assert len(book) == 1  # the superseded first one is still streaming its frame
     book.released(first)
     assert len(book) == 0
+
+
+def test_a_claim_heard_for_the_very_lease_held_or_followed_here_fences_nothing() -> None:
+    # Every process hears its own claims on the channel, and a follower hears the claim of
+    # the generation it follows: neither may fence the lease that claim made.
+    book = Book()
+    mine, followed = Lease("k", 5, 1), Lease("j", 7, 2)
+    book.claimed(mine, 0)
+    book.watch(followed)
+    assert book.heard("k", 5, 1, 0) is False
+    assert book.heard("j", 7, 2, 0) is False
+    assert not mine.superseded and not followed.superseded
+    assert book.holders() == [mine]
+
+
+def test_an_answered_claim_fences_the_local_holder_even_when_it_replaced_another_process() -> None:
+    # This process holds 10; another process claimed 11 (not heard yet); this process's
+    # claim is answered as 12, replacing 11: its own older lease is fenced all the same.
+    book = Book()
+    old = Lease("k", 10, 1)
+    book.claimed(old, 0)
+    new = Lease("k", 12, 3)
+    assert book.claimed(new, 11) is False  # 11 was not this process's
+    assert old.superseded and old.newer_attempt == 3
+    assert book.holders() == [new]
+
+
+def test_an_answered_claim_fences_the_other_processes_generations_followed_here() -> None:
+    book = Book()
+    followed = Lease("k", 5, 1)
+    book.watch(followed)
+    book.claimed(Lease("k", 9, 2), 5)
+    assert followed.superseded and followed.newer_attempt == 2
+
+
+def test_a_claim_heard_fences_the_holder_it_outranks_whatever_it_replaced() -> None:
+    # A claim heard from another process replaced a claim in between (missed here): this
+    # process's holder is older than it all the same.
+    book = Book()
+    mine = Lease("k", 10, 1)
+    book.claimed(mine, 0)
+    assert book.heard("k", 15, 3, 12) is False  # 12 was not this process's
+    assert mine.superseded and mine.newer_attempt == 3
+
+
+def test_unwatching_one_followed_generation_keeps_the_others_of_its_key_watched() -> None:
+    book = Book()
+    first, second = Lease("k", 5, 1), Lease("k", 6, 2)
+    book.watch(first)
+    book.watch(second)
+    book.unwatch(first)
+    book.heard("k", 9, 3, 6)
+    assert second.superseded and not first.superseded
+    book.unwatch(second)
+    book.unwatch(second)  # twice: nothing left to forget
+    assert book._watched == {}  # and no emptied set per key left behind: nothing leaks

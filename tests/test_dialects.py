@@ -23,10 +23,13 @@ from proxy.dialects import (
 )
 from proxy.errors import (
     BadRequest,
+    BodyTooLarge,
     MalformedStream,
     NoRoute,
+    RegistryUnavailable,
     StreamfenceError,
     Superseded,
+    Unauthorized,
     UpstreamTimeout,
 )
 from proxy.sse import SSESplitter
@@ -274,6 +277,9 @@ def test_error_body_shapes(error: StreamfenceError) -> None:
         (MalformedStream("x"), "UNAVAILABLE"),
         (UpstreamTimeout("x"), "DEADLINE_EXCEEDED"),
         (StreamfenceError("x"), "INTERNAL"),
+        (Unauthorized("x"), "UNAUTHENTICATED"),
+        (BodyTooLarge("x"), "INVALID_ARGUMENT"),
+        (RegistryUnavailable("x"), "UNAVAILABLE"),
     ],
 )
 def test_gemini_status_names(error: StreamfenceError, status: str) -> None:

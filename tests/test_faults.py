@@ -582,3 +582,29 @@ async def test_a_client_that_leaves_right_after_the_terminator_completed(
         (record,) = await settled(proxy)
     assert record.outcome == "completed"
     assert not upstream.seen[0].finished  # the upstream had not ended its body
+
+
+@pytest.mark.parametrize(
+    ("path", "last"),
+    [
+        ("/v1/chat/completions", "data: [DONE]\n\n"),
+        ("/v1/messages", 'event: message_stop\ndata: {"type":"message_stop"}\n\n'),
+        ("/v1/responses", 'event: response.completed\ndata: {"type":"response.completed"}\n\n'),
+    ],
+)
+async def test_an_upstream_that_breaks_its_body_after_the_terminator_delivered_the_answer(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory, path: str, last: str
+) -> None:
+    """The upstream sent its terminator and then broke its chunked body instead of ending
+    it: the client has the whole answer, and is not told of a failure after it (an error
+    event after `[DONE]` is one the SDKs raise on, over an answer they already returned)."""
+    upstream.default = Script(
+        stream=True, raw=['data: {"a":1}\n\n', last, ": tail\n\n"], fail_after=2
+    )
+    async with make_proxy(upstream.url) as proxy, proxy.client() as client:
+        async with client.stream("POST", path, json={"stream": True}) as response:
+            body = await response.aread()
+        (record,) = await settled(proxy)
+    assert upstream.seen[0].broke
+    assert body == ('data: {"a":1}\n\n' + last).encode()
+    assert record.outcome == "completed" and not record.error

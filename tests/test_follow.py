@@ -5,6 +5,8 @@ closes the upstream; Last-Event-ID resumes; the caps fall back to a new generati
 
 from __future__ import annotations
 
+import asyncio
+import time
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -83,6 +85,35 @@ async def test_a_stalled_generation_is_superseded_and_all_its_clients_fenced(
     assert len(upstream.seen) == 2
     assert _codes(a_rest) == ["stream_superseded"] and len(a_rest) == 1
     assert b_text == "S0 S1 S2 "
+
+
+async def test_a_generation_stays_healthy_while_its_upstream_sends_events(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream
+) -> None:
+    # Health is measured from the later of the request, the headers and the last content
+    # event: a stream that keeps sending stays healthy long past `healthy_within` after its
+    # request, and an identical request then follows it (one upstream request, no fence).
+    window = 1.0
+    body = chat_body(gated=True, tokens=60, prefix="L")
+    options = {"upstream.healthy_within": window}
+    async with make_proxy(upstream.url, **options) as proxy, proxy.client() as client:
+        async with AsyncExitStack() as stack:
+            a = await open_stream(stack, client, CHAT, body, TURN)
+            a_events = events(a)
+            await anext(a_events)
+            gen = upstream.seen[0]
+            since = time.monotonic()
+            while time.monotonic() - since < 2.5 * window:
+                await asyncio.sleep(window / 5)  # the pace of a live stream, in its own time
+                gen.release(1)
+                await anext(a_events)
+            b = await open_stream(stack, client, CHAT, body, TURN)
+            assert b.headers["x-streamfence-source"] == "followed"
+            gen.release(100)
+            a_rest = [e async for e in a_events]
+            b_text, b_events = await _text(b)
+    assert len(upstream.seen) == 1 and not _codes(a_rest + b_events)
+    assert b_text == "".join(f"L{i} " for i in range(60))
 
 
 async def test_join_follows_even_a_stalled_generation(
@@ -286,6 +317,24 @@ async def test_replay_after_completion_needs_an_explicit_turn_id(
         await client.post(CHAT, json=chat_body(tokens=2, prefix="F"))
         await client.post(CHAT, json=chat_body(tokens=2, prefix="F"))
         assert len(upstream.seen) == 3
+
+
+async def test_a_replay_is_only_ever_of_the_same_streaming_mode(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream
+) -> None:
+    # A non-streaming fallback of a streamed turn that completed: never a replayed stream
+    # (an SDK that asked for JSON cannot read SSE), a new answer from upstream.
+    body = chat_body(tokens=3, prefix="R")
+    async with (
+        make_proxy(upstream.url, **{"upstream.replay_window": 60.0}) as proxy,
+        proxy.client() as client,
+    ):
+        streamed = await client.post(CHAT, json=body, headers=TURN)
+        whole = await client.post(CHAT, json={**body, "stream": False}, headers=TURN)
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert whole.headers["x-streamfence-source"] == "upstream" and len(upstream.seen) == 2
+    assert whole.headers["content-type"] == "application/json"
+    assert whole.json()["choices"][0]["message"]["content"] == "R0 R1 R2 "
 
 
 @pytest.mark.parametrize("cap", ["join_buffer_bytes", "join_buffer_total_bytes"])

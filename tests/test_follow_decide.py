@@ -1,14 +1,21 @@
-"""follow.decide, the rule of CONTRACT section 3, as a table: pure, no I/O, no clock."""
+"""follow.decide, the rule of CONTRACT section 3, as a table: pure, no I/O, no clock. And
+what the table of generations remembers of a turn once its generation is gone."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import pytest
 
 from proxy import follow
-from proxy.follow import Attempt, Decision, Policy
+from proxy.buffer import Budget
+from proxy.follow import RETIRED_SECONDS, Attempt, Decision, Generations, Policy
+from proxy.follow import Ask as RealAsk
+from proxy.upstream import UpstreamClient
 
 
 @dataclass
@@ -81,6 +88,14 @@ HEALTHY, STALLED = Live(), Live(quiet=11.0)
             "new",
             "upstream",
         ),
+        # A replay is of the same streaming mode: a non-streaming fallback gets JSON.
+        (
+            Live(done=True, completed=True, retained=True),
+            "adaptive",
+            {"streaming": False},
+            "new",
+            "upstream",
+        ),
         (Live(done=True, completed=True), "adaptive", {}, "new", "upstream"),
         (Live(done=True, retained=True), "adaptive", {}, "new", "upstream"),
         (
@@ -109,3 +124,42 @@ def test_an_identical_request_that_cannot_follow_says_why() -> None:
 
 def test_a_request_without_a_body_identity_is_always_new() -> None:
     assert decide(HEALTHY, body=None).action == "new"
+
+
+class _Answers(httpx.AsyncBaseTransport):
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=httpx.ByteStream(b'{"ok": true}'))
+
+
+async def test_a_refusal_of_a_replaced_version_expires_after_retired_seconds() -> None:
+    # A generation of the edited version of a turn, which replaced the "old" one, over a
+    # transport that answers at once; nobody reads it: it ends, and the table forgets it
+    # but for the versions it replaced.
+    table = Generations(UpstreamClient(_Answers()), None, Budget(1 << 20))
+    ask = RealAsk(
+        request=httpx.Request("POST", "http://upstream.test/v1/chat/completions", json={}),
+        upstream="up",
+        key="turn",
+        body_hash="edited",
+        streaming=False,
+        max_event_bytes=1 << 20,
+        buffer_bytes=1 << 20,
+        stamp_ids=False,
+        followable=True,
+        retired=frozenset({"old"}),
+    )
+    generation = table.start(ask)
+    await asyncio.wait_for(generation.finished.wait(), 5)
+    for _ in range(100):  # its release runs in the background, a few steps later
+        if not len(table):
+            break
+        await asyncio.sleep(0)
+    assert len(table) == 0
+    ended = time.monotonic()
+    retry = Attempt("old", False, True, None)
+    policy = Policy("adaptive", 10.0, False)
+    for later in (0.0, RETIRED_SECONDS - 1.0):
+        assert table.decide("turn", retry, policy, ended + later).action == "stale"
+    assert table.decide("turn", retry, policy, ended + RETIRED_SECONDS + 1.0).action == "new"
+    # Another version of the turn was never refused.
+    assert table.decide("turn", Attempt("other", False, True, None), policy, ended).action == "new"

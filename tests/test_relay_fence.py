@@ -15,6 +15,7 @@ import pytest
 
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import Event, chat_body, events, open_stream
+from tests.stress import harness
 from tests.upstream import ScriptedUpstream
 
 CHAT = "/v1/chat/completions"
@@ -204,6 +205,30 @@ async def test_superseded_before_headers_gets_409_and_upstream_closed(
     assert a.headers["x-should-retry"] == "false"
     assert a.json()["error"]["code"] == "stream_superseded"
     assert seen_a.events_sent == 0
+
+
+@pytest.mark.parametrize("transport", ["fast", "httpx"])
+async def test_a_fence_before_headers_closes_the_upstream_before_the_409_goes_out(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, transport: str
+) -> None:
+    # The fence's promise: the old upstream request is closed, then the client is told.
+    # Its latency (newer claim -> upstream closed) is recorded for the superseded request.
+    options = {"server.http_transport": transport}
+    async with make_proxy(upstream.url, **options) as proxy, proxy.client() as client:
+        watch = harness.watch(proxy.runtime)
+        a_task = asyncio.create_task(
+            client.post(CHAT, json=chat_body(hold_headers=True), headers={"X-Turn-Id": "h"})
+        )
+        seen_a = (await upstream.wait_requests(1))[0]  # A waits for upstream headers
+        b = await client.post(CHAT, json=chat_body(stream=False), headers={"X-Turn-Id": "h"})
+        a = await a_task
+        records = await harness.settled(proxy.runtime, 2)
+        await asyncio.wait_for(seen_a.closed.wait(), 5)
+    assert (a.status_code, b.status_code) == (409, 200)
+    (fenced,) = [r for r in records if r.outcome == "superseded"]
+    assert fenced.status == 409
+    assert fenced.fence_latency is not None and 0.0 <= fenced.fence_latency < 1.0
+    assert watch.records == records
 
 
 async def test_client_leaving_before_headers_closes_the_upstream(

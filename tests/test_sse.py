@@ -269,7 +269,7 @@ def test_complete_event_over_the_limit_in_one_read_sets_error() -> None:
     assert isinstance(splitter.error, MalformedStream)
 
 
-@pytest.mark.parametrize("ending", [b"\n", b"\r\n"])
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n", b"\r"])
 def test_limit_is_exact_whatever_the_chunking(ending: bytes) -> None:
     limit = 40
 
@@ -280,7 +280,11 @@ def test_limit_is_exact_whatever_the_chunking(ending: bytes) -> None:
     at_limit, over = event(limit), event(limit + 1)
     assert len(at_limit) == limit and len(over) == limit + 1
     for chunks in ([at_limit], [at_limit[i : i + 1] for i in range(limit)]):
-        assert split_all(chunks, max_event_bytes=limit) == [at_limit]
+        assert split_all(chunks, max_event_bytes=limit) == expected_after_flush([at_limit])
+    # Two at the limit in one read, and one held whole until the next read.
+    assert split_all([at_limit * 2], max_event_bytes=limit) == expected_after_flush([at_limit] * 2)
+    twice = [at_limit, at_limit + b"data: z" + ending]
+    assert split_all(twice, max_event_bytes=limit)[:2] == [at_limit, at_limit]
     for chunks in ([over], [over[i : i + 1] for i in range(limit + 1)]):
         splitter = SSESplitter(limit)
         out = [e for c in chunks for e in splitter.feed(c)]
@@ -314,6 +318,12 @@ def test_invalid_utf8_in_one_event_of_a_batch() -> None:
     assert "UTF-8" in splitter.error.message
     assert splitter.feed(b"data: more\n\n") == []
     assert splitter.flush() == []
+
+
+def test_invalid_utf8_in_the_second_of_two_events_of_a_read() -> None:
+    splitter = SSESplitter()
+    assert splitter.feed(b"data: one\n\n" + b"data: \xff\n\n") == [b"data: one\n\n"]
+    assert isinstance(splitter.error, MalformedStream)
 
 
 def test_invalid_utf8_in_the_unterminated_tail_at_flush() -> None:
@@ -504,6 +514,7 @@ def test_a_long_event_is_scanned_in_linear_time(
         (b"7-3-1", None),
         (b"7-" + b"9" * 13, None),  # a huge number is not an id of ours
         (b"9" * 21 + b"-3", None),
+        (b"7-" + b"9" * 12, 999_999_999_999),  # the longest number that is one
         (b"\xff", None),
     ],
 )
@@ -512,3 +523,22 @@ def test_the_proxys_event_ids_round_trip_and_anything_else_is_no_resume_point(
 ) -> None:
     assert resumes_after(header, 7) == number
     assert resumes_after(event_id(7, 41), 7) == 41
+
+
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])
+def test_the_proxys_id_is_the_last_line_of_the_event_in_the_events_own_line_endings(
+    ending: bytes,
+) -> None:
+    event = b"event: delta" + ending + b"id: upstream-9" + ending + b"data: x" + ending + ending
+    stamped = sse.with_id(event, event_id(7, 3))
+    assert stamped == event[: -len(ending)] + b"id: 7-3" + ending + ending
+    # Still one event, whatever the chunking, and a client's last id is the proxy's.
+    assert split_all([stamped[:5], stamped[5:]]) == expected_after_flush([stamped])
+    assert parse_fields(stamped) == {"event": "delta", "id": "7-3", "data": "x"}
+    assert [d.last_event_id for d in reference_events(stamped)] == ["7-3"]
+
+
+def test_a_generation_token_of_twenty_digits_is_the_longest_read() -> None:
+    twenty, longer = int("9" * 20), int("9" * 21)
+    assert resumes_after(b"%d-3" % twenty, twenty) == 3
+    assert resumes_after(b"%d-3" % longer, longer) is None

@@ -138,6 +138,22 @@ async def test_keep_alive_connection_is_reused() -> None:
         assert b"\r\nhost: 127.0.0.1:" in server.requests[0].lower()
 
 
+async def test_a_response_that_says_connection_close_never_goes_back_to_the_pool() -> None:
+    # The server says it closes (Go and Node capitalise the header) but has not yet: the
+    # next request must not be sent on that socket, which may be closing under it.
+    async def says_close(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while await server.read_request(r) is not None:
+            w.write(content_length_response(b"ok", b"Connection: Close\r\n"))
+            await w.drain()
+
+    transport = Transport()
+    async with serve(says_close) as server, client(transport) as c:
+        for _ in range(2):
+            assert (await c.get(server.url)).content == b"ok"
+        assert server.connections == 2
+        assert transport.idle() == 0 and transport.in_use() == 0
+
+
 async def test_chunked_request_body_is_framed() -> None:
     async def parts() -> AsyncIterator[bytes]:
         yield b"one,"

@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 from bench.fingerprint import json_module_fingerprint
 from proxy.errors import BadRequest
-from proxy.turns import TurnKey, credential_scope, explicit_turn_id, fingerprint, resolve
+from proxy.turns import (
+    TurnKey,
+    credential_scope,
+    explicit_turn_id,
+    fingerprint,
+    resolve,
+    split_query_turn,
+)
 
 HEADER = b"x-turn-id"
 IGNORE = ("stream", "stream_options", "timeout")
@@ -361,3 +368,104 @@ def test_resolve_returns_a_key_or_none_or_raises_bad_request(
         return
     if turn is not None:
         assert len(turn.key) == 64
+
+
+# --- what the mutation run asked for --------------------------------------------------------
+
+
+def test_keys_are_the_same_in_every_version_of_the_proxy() -> None:
+    # Processes sharing a Redis registry key turns alike; during a rolling upgrade they run
+    # two versions, so a key's recipe is part of the contract: these values may not change.
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    fp = "54c10bb6c26a75a41d057d239d11e504a417d690cce1115f5619cfefe520be8f"
+    assert fingerprint("default", "/v1/chat/completions", body, ()) == fp
+    explicit = key([(HEADER, b"t"), (b"authorization", b"Bearer k")], b"", path="/v1/x")
+    assert explicit == TurnKey(
+        "a6c4c0d0e3b7e3dafe4a086b9acf6559f71d03cfac783fe7000e11131e59d45d",
+        "header",
+        "1b4698284913b0d4fe621f9d3e6a883d6cb74c674e2042f19a72de3bd1088425",
+        False,
+    )
+
+
+def test_route_and_path_are_never_joined_ambiguously() -> None:
+    body = json.dumps(BODY).encode()
+    assert fingerprint("a", "/b/c", body, IGNORE) != fingerprint("a/b", "/c", body, IGNORE)
+
+
+def test_a_turn_id_may_hold_spaces_and_printable_characters() -> None:
+    assert explicit_turn_id([(HEADER, b"turn 1 ~!")], HEADER) == b"turn 1 ~!"
+
+
+@pytest.mark.parametrize(
+    ("body", "path", "streaming"),
+    [
+        ({**BODY, "stream": True}, "/v1/chat/completions", True),
+        ({**BODY, "stream": False}, "/v1/chat/completions", False),
+        ({"model": "m"}, "/v1/chat/completions", False),
+        ({"contents": []}, "/v1beta/models/g:streamGenerateContent", True),
+        ({"contents": []}, "/v1beta/models/g:generateContent", False),
+        (b"", "/v1beta/models/g:streamGenerateContent", True),  # bodiless: from the path
+        (b"", "/v1/events", False),
+    ],
+)
+def test_the_streaming_mode_comes_from_the_body_or_geminis_path(
+    body: Any, path: str, streaming: bool
+) -> None:
+    got = key([(HEADER, b"t")], body, path=path)
+    assert got is not None and got.streaming is streaming
+
+
+def test_identical_requests_under_a_turn_id_are_identical_whatever_their_body() -> None:
+    turn = [(HEADER, b"t")]
+    # JSON: the canonical body decides, volatile fields and key order aside.
+    a = key(turn, {"messages": ["x"], "model": "m", "stream": True})
+    b = key(turn, {"model": "m", "messages": ["x"], "stream_options": {}, "stream": True})
+    assert a is not None and b is not None and a.body_fingerprint == b.body_fingerprint
+    # Not JSON: its bytes decide; bodiless: its query, less a Gemini key.
+    raw = [key(turn, b"not json") for _ in range(2)] + [key(turn, b"not json either")]
+    assert raw[0] == raw[1] and raw[0] is not None and raw[0].body_fingerprint is not None
+    assert raw[2] is not None and raw[2].body_fingerprint != raw[0].body_fingerprint
+    get = [key(turn, b"", query=q) for q in ("a=1&key=s1", "key=s2&a=1", "a=2")]
+    assert all(g is not None for g in get)
+    identities = [g.body_fingerprint for g in get if g is not None]
+    assert identities[0] == identities[1] != identities[2]
+    assert raw[0].body_fingerprint not in identities
+
+
+def test_a_turn_id_in_the_query_is_used_only_without_the_header() -> None:
+    def resolved(headers: list[tuple[bytes, bytes]], query_id: bytes | None) -> TurnKey | None:
+        return resolve(
+            headers,
+            "",
+            b"",
+            header_name=HEADER,
+            route="default",
+            path="/v1/events",
+            use_fingerprint=True,
+            ignore_fields=IGNORE,
+            query_turn_id=query_id,
+        )
+
+    from_query, from_header = resolved([], b"tab-1"), resolved([(HEADER, b"tab-1")], None)
+    assert from_query is not None and from_query == from_header
+    both = resolved([(HEADER, b"tab-1")], b"tab-2")
+    assert both == from_header
+    with pytest.raises(BadRequest):
+        resolved([], b"")
+
+
+@pytest.mark.parametrize(
+    ("query", "name", "rest", "found"),
+    [
+        ("topic=x&streamfence_turn=tab-1", "streamfence_turn", "topic=x", b"tab-1"),
+        ("streamfence_turn=a%20b+c&x=1", "streamfence_turn", "x=1", b"a b c"),
+        ("topic=x", "streamfence_turn", "topic=x", None),
+        ("my_streamfence_turn=1", "streamfence_turn", "my_streamfence_turn=1", None),
+        ("streamfence_turn=1", "", "streamfence_turn=1", None),  # no name configured
+    ],
+)
+def test_the_turn_id_query_parameter_is_taken_out_of_the_query(
+    query: str, name: str, rest: str, found: bytes | None
+) -> None:
+    assert split_query_turn(query, name) == (rest, found)

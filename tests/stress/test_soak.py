@@ -5,6 +5,12 @@ time; afterwards the process's memory and open descriptors are back near where t
 CI runs STREAMFENCE_SOAK_SECONDS (default 8); by hand, e.g. STREAMFENCE_SOAK_SECONDS=600.
 The proxy, the scripted upstream and the clients share this process, so the figures cover
 all three; idle keep-alive connections (bounded pools) are counted apart from leaks.
+
+Memory is judged only in a process that runs the soak alone, as scripts/test runs it
+(`pytest tests/stress/test_soak.py --no-cov`): what other test modules imported or left behind
+grows the RSS under the soak's traffic by 20 MiB and more (seen after a wide set of test
+files), which would be measured as the soak's. Elsewhere the memory check refuses (the test
+is skipped, saying why) after every other check has passed.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import asyncio
 import gc
 import os
 import random
+import sys
 import time
 from contextlib import AsyncExitStack
 from typing import Any
@@ -30,6 +37,7 @@ pytestmark = pytest.mark.soak
 
 SECONDS = float(os.environ.get("STREAMFENCE_SOAK_SECONDS", "8"))
 KEYS_PER_ROUND = 40
+OWN_FILE = "tests/stress/test_soak.py"
 SEED = int(os.environ.get("STREAMFENCE_SOAK_SEED", str(random.randrange(1 << 32))))
 
 
@@ -45,6 +53,29 @@ def attempt(rng: random.Random) -> Attempt:
     )
 
 
+def not_alone(session: pytest.Session) -> str | None:
+    """Why this process cannot judge the soak's memory (None: it can)."""
+    mine = {__name__, "tests.conftest", "tests.bounds"}
+    others = sorted(
+        name
+        for name in sys.modules
+        if name.startswith("tests.") and name not in mine and ".test_" in f".{name}"
+    )
+    items = sorted({item.nodeid.split("::")[0] for item in session.items} - {OWN_FILE})
+    why = [f"imported {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}"] if others else []
+    why += [f"collected {', '.join(items[:5])}{' ...' if len(items) > 5 else ''}"] if items else []
+    coverage = sys.modules.get("coverage")
+    if sys.gettrace() is not None or (coverage is not None and coverage.Coverage.current()):
+        why.append("runs under coverage (or another tracer)")
+    if not why:
+        return None
+    return (
+        "the soak's memory growth is judged only in a process of its own, and this one "
+        f"{'; '.join(why)}: run `pytest tests/stress/test_soak.py --no-cov -p no:cacheprovider` "
+        "alone (scripts/test does)"
+    )
+
+
 def idle_upstream_connections(p_runtime: Any) -> int:
     transport = p_runtime.client.transport
     if hasattr(transport, "idle"):
@@ -53,9 +84,11 @@ def idle_upstream_connections(p_runtime: Any) -> int:
 
 
 async def test_steady_mix_leaves_memory_and_descriptors_where_they_started(
-    upstream: ScriptedUpstream, make_proxy: ProxyFactory
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory, request: pytest.FixtureRequest
 ) -> None:
     rng = random.Random(SEED)
+    # Asked first: what this process has imported by now is what it had during the soak.
+    memory_unjudged = not_alone(request.session)
 
     async with make_proxy(upstream.url) as p, AsyncExitStack() as stack:
 
@@ -123,5 +156,7 @@ async def test_steady_mix_leaves_memory_and_descriptors_where_they_started(
     assert end["relays"] == 0, (start, end)  # nothing holds a finished request
     assert end["tasks"] <= start["tasks"], (start, end, left)
     assert end["fds_without_idle"] <= start["fds_without_idle"] + 4, (start, end)
+    if memory_unjudged is not None:
+        pytest.skip(memory_unjudged)
     # malloc_trim'd RSS: a few MiB of allocator noise; a request kept per request is not.
     assert end["rss_kib"] <= start["rss_kib"] + 4 * 1024, (start, end)
