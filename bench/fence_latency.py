@@ -19,8 +19,8 @@ import time
 
 import httpx
 
-from proxy.app import create_app
-from proxy.config import load
+from proxy.config.schema import load
+from proxy.server.app import create_app
 from tests.upstream import ScriptedUpstream, serve
 
 CHAT = "/v1/chat/completions"

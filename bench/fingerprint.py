@@ -1,6 +1,6 @@
 """The fingerprint's cost on an agent-sized body: `python -m bench.fingerprint [KB]`.
 
-Every request without an X-Turn-Id is fingerprinted on the event loop (proxy/turns.py): its
+Every request without an X-Turn-Id is fingerprinted on the event loop (proxy/wire/turns.py): its
 JSON body parsed and written again in canonical form, then hashed. Agents send the whole
 conversation each turn (Claude Code: 50-200 KB), so this is the largest per-request cost the
 proxy has that the benchmark's small bodies do not show. Compared in the same run with the
@@ -16,7 +16,7 @@ import sys
 import timeit
 from typing import Any
 
-from proxy.turns import _sha256, fingerprint_and_mode
+from proxy.wire.turns import _sha256, fingerprint_and_mode
 
 IGNORE = ("stream", "stream_options", "timeout")
 

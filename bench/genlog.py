@@ -1,4 +1,4 @@
-"""Measure the generation log (proxy/registry/genlog.py) against the alternative it was
+"""Measure the generation log (proxy/registry/genlog/log.py) against the alternative it was
 chosen over, on a private redis-server (or a three-master cluster with --cluster).
 
     python -m bench.genlog [--batches 1000] [--every 0.002] [--cluster]
@@ -29,8 +29,8 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from proxy.registry.connection import Client, connect
-from proxy.registry.genlog import GenerationLog
+from proxy.registry.genlog.log import GenerationLog
+from proxy.registry.redisio import Client, connect
 from tests.redis_server import RedisServer, running_cluster
 
 PUBSUB_APPEND = """

@@ -67,7 +67,7 @@ async def app(scope, receive, send):
 sock = socket.socket()
 sock.bind(("127.0.0.1", int(sys.argv[1])))
 uvicorn.Server(uvicorn.Config(
-    app, loop="proxy.listen:Loop", http="httptools", lifespan="on", access_log=False,
+    app, loop="proxy.server.listen:Loop", http="httptools", lifespan="on", access_log=False,
     log_config=None, server_header=False, date_header=False, proxy_headers=False,
 )).run(sockets=[sock])
 """

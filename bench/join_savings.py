@@ -19,9 +19,9 @@ from typing import Any
 
 import httpx
 
-from proxy.app import create_app
-from proxy.config import load
+from proxy.config.schema import load
 from proxy.demo import until_disconnect
+from proxy.server.app import create_app
 from tests.upstream import serve
 
 

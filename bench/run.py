@@ -236,8 +236,8 @@ def start_streamfence(upstream: int, log: Any, name: str = "streamfence") -> Tar
     port = free_port()
     url = f"http://127.0.0.1:{upstream}"
     env = dict(os.environ)
-    # streamfence as it ships (proxy/transport.py, the default; set here all the same so the
-    # column means one thing); sf-httpx the same proxy on httpx's transport (httpcore + h11).
+    # streamfence as it ships (proxy/upstream/transport.py, the default; set here all the same
+    # so the column means one thing); sf-httpx the same proxy on httpx's transport (httpcore + h11).
     env["STREAMFENCE_SERVER_HTTP_TRANSPORT"] = "httpx" if name == "sf-httpx" else "fast"
     own_log = Path(log.name).with_name(f"{name}.log")
     proc = subprocess.Popen(

@@ -1,7 +1,7 @@
 """The `streamfence` command: serve (the default), demo, check-config, help.
 
 argparse subcommands; every mistake on the command line is one line on stderr and exit 2,
-every `--help` exit 0. Running the proxy itself is proxy/serve.py.
+every `--help` exit 0. Running the proxy itself is proxy/server/serve.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from proxy import __version__
-from proxy.config import Config, ConfigError, load
+from proxy.config.schema import Config, ConfigError, load
 
 EXAMPLE_URL = "https://github.com/streamfence/streamfence/blob/main/config.example.toml"
 UPSTREAM_ENV = "STREAMFENCE_UPSTREAM_"  # an upstream set in the environment
@@ -196,8 +196,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         overrides["registry.backend"] = "redis"
         overrides["registry.url"] = args.registry_url
     config = load(args.config, overrides=overrides, flags=FLAGS)
-    from proxy import egress  # noqa: PLC0415 - keep `--help` fast
-    from proxy.upstream import ssl_context_for  # noqa: PLC0415 - imports httpx: not for --help
+    from proxy.config import egress  # noqa: PLC0415 - keep `--help` fast
+    from proxy.upstream.client import ssl_context_for  # noqa: PLC0415 - imports httpx: not for --help
 
     # The environment's proxy URLs and CA certificates are checked now, not when the
     # server starts (a traceback) or at the first request.
@@ -223,7 +223,7 @@ def _serve(args: argparse.Namespace) -> int:
         for problem in exc.problems:
             print(f"streamfence: config error: {where}{problem}", file=sys.stderr)
         return 2
-    from proxy.serve import serve  # noqa: PLC0415 - keep `--help` and check-config fast
+    from proxy.server.serve import serve  # noqa: PLC0415 - keep `--help` and check-config fast
 
     return serve(config, args.log_level)
 
@@ -238,7 +238,7 @@ def _check_config(args: argparse.Namespace) -> int:
     """Validate one file on its own (no environment, no flags): every problem, each with its
     key path, then exit 2 (a config error, as from every command); or what the file sets
     up, then exit 0."""
-    from proxy.serve import startup_lines  # noqa: PLC0415
+    from proxy.server.serve import startup_lines  # noqa: PLC0415
 
     path = args.file
     try:

@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import uvicorn
 
-from proxy.app import create_app
-from proxy.config import UpstreamConfig, load
+from proxy.config.schema import UpstreamConfig, load
+from proxy.server.app import create_app
 
 ANSWER = "The capital of France is Paris . It sits on the Seine .".split()
 STALL_AFTER = 4  # tokens the first attempt sends before it stalls

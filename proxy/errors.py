@@ -1,8 +1,8 @@
 """The project's exception tree.
 
 Third-party exceptions (httpx, redis) are translated into these at one boundary each
-(`proxy.upstream` and `proxy.registry.connection`); `proxy.writes` turns them into
-responses in one place, in the caller's dialect (its frames mid-stream: `proxy.dialects`).
+(`proxy.upstream.client` and `proxy.registry.redisio`); `proxy.turn.writes` turns them into
+responses in one place, in the caller's dialect (its frames mid-stream: `proxy.wire.dialects`).
 
     StreamfenceError             status  code
     ├── BadRequest                 400   bad_request       (invalid X-Turn-Id, ...)
@@ -174,7 +174,8 @@ def kept(error: E) -> E:
     """`error`, to be kept on an object that outlives the raise (a generation, a client),
     without the tracebacks of its chain: their frames refer back to that object, a cycle that
     only the garbage collector would free (docs/benchmarks.md, "the host, and garbage"). What
-    is logged of an error is its type, message and cause (`proxy.causes`), never its frames."""
+    is logged of an error is its type, message and cause (`proxy.upstream.causes`), never its
+    frames."""
     current: BaseException | None = error
     seen: set[int] = set()
     while current is not None and id(current) not in seen:  # a chain set by hand may loop

@@ -2,13 +2,13 @@
 
 A generation is healthy while the time since the later of its request, its response headers
 and its last *content* event is under `healthy_within`. Keep-alives are not content
-(`proxy.dialects.carries_content` tells them apart): a stream that only pings is stalled, so
+(`proxy.wire.dialects.carries_content` tells them apart): a stream that only pings is stalled, so
 that a retry of it gets a fresh answer instead of waiting with the stuck one.
 
 Every place that judges health calls `healthy`, with `time.monotonic()` readings: following
-in one process (`proxy.follow.decide`, through `Generation.healthy`), following a generation
-of another process (`proxy.remote`, from the writer's stamp on Redis) and the WebSocket twin
-rule (`proxy.wsfence`). The Redis script that decides across processes in one atomic step
+in one process (`proxy.turn.rule.decide`, through `Generation.healthy`), following a generation
+of another process (`proxy.turn.remote`, from the writer's stamp on Redis) and the WebSocket twin
+rule (`proxy.websocket.fence`). The Redis script that decides across processes in one atomic step
 cannot call Python: it runs `LUA`, the same comparison on Redis's clock, checked against the
 same table of cases (tests/test_health.py).
 """

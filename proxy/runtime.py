@@ -8,23 +8,23 @@ import asyncio
 import hmac
 from typing import Protocol
 
-from proxy import logs, status, tracing
-from proxy.buffer import Budget
-from proxy.config import Config
+from proxy.config.schema import Config
 from proxy.errors import StreamfenceError
-from proxy.follow import Generations, Policy
-from proxy.logs import Record
-from proxy.metrics import Metrics
+from proxy.ops import logs, status, tracing
+from proxy.ops.logs import Record
+from proxy.ops.metrics import Metrics
 from proxy.registry import Registry
-from proxy.routing import Router
-from proxy.shutdown import Abortable
-from proxy.upstream import UpstreamClient
+from proxy.server.shutdown import Abortable
+from proxy.turn.buffer import Budget
+from proxy.turn.rule import Generations, Policy
+from proxy.upstream.client import UpstreamClient
+from proxy.upstream.routing import Router
 
 ACCESS_TOKEN_HEADER = b"x-streamfence-token"
 
 
 class InFlight(Abortable, Protocol):
-    """A request in flight: an HTTP client of a generation (`proxy.relay.Subscriber`) or a
+    """A request in flight: an HTTP client of a generation (`proxy.turn.relay.Subscriber`) or a
     WebSocket attempt. The shutdown drain aborts it; the status page reads its record."""
 
     record: Record

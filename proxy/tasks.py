@@ -7,7 +7,7 @@ outside. Most of the time that needs no wait at all, and a task and a shield for
 3 % of a short request's instructions (python -m bench.instructions); only when it has to
 wait does the rest become a task, which the caller then shields as before.
 
-`start_eagerly` exists for the start of every request (proxy/eager.py).
+`start_eagerly` exists for the start of every request (proxy/server/eager.py).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def start_eagerly(
     again: as `asyncio.Task(..., eager_start=True)` (Python 3.12) does, on 3.11 too. The
     step runs with the task as the current task and in its context, so timeouts and task
     groups entered in it are the task's; the task, when it runs, waits for what the step
-    waited for and goes on from there (proxy/eager.py: a request's first step). Take the
+    waited for and goes on from there (proxy/server/eager.py: a request's first step). Take the
     step outside any task, from a loop callback: no other task may be current in it."""
     started = _Started(coro)
     task = loop.create_task(_prestepped(started), context=context)

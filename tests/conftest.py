@@ -9,11 +9,11 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import create_app
-from proxy.config import load
-from proxy.listen import Loop
+from proxy.config.schema import load
 from proxy.runtime import Runtime
-from proxy.serve import uvicorn_options
+from proxy.server.app import create_app
+from proxy.server.listen import Loop
+from proxy.server.serve import uvicorn_options
 from tests.redis_server import (  # noqa: F401 - fixtures: a Redis server, or a cluster
     cluster_server,
     redis_server,
@@ -40,7 +40,7 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-# The loop `streamfence` itself runs on (uvloop, with proxy/listen.py's accept loop): the
+# The loop `streamfence` itself runs on (uvloop, with proxy/server/listen.py's accept loop): the
 # suites of real clients and agents run on it, so that every connection they make goes
 # through that accept loop, as it does in production, and not only the CLI tests' ones.
 PROXY_LOOP = ("asyncio", {"loop_factory": Loop})
@@ -52,7 +52,7 @@ EGRESS_ENV += [n.upper() for n in EGRESS_ENV]
 
 @pytest.fixture(autouse=True)
 def _no_egress_proxy_from_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The proxy reads HTTPS_PROXY & co. (proxy/egress.py): a CI machine's own must not send
+    # The proxy reads HTTPS_PROXY & co. (proxy/config/egress.py): a CI machine's own must not send
     # the tests' loopback traffic elsewhere. Egress tests set theirs explicitly.
     for name in EGRESS_ENV:
         monkeypatch.delenv(name, raising=False)

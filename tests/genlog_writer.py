@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from proxy.registry.connection import connect
-from proxy.registry.genlog import GenerationLog
+from proxy.registry.genlog.log import GenerationLog
+from proxy.registry.redisio import connect
 
 
 async def main(url: str, key: str, token: int) -> None:

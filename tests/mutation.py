@@ -2,9 +2,9 @@
 the scores are in docs/testing.md).
 
     scripts/mutate                         every module of tests/mutation.toml
-    scripts/mutate proxy/sse.py ...        some of them
-    scripts/mutate --list proxy/sse.py     its mutants, numbered
-    scripts/mutate --show proxy/sse.py:12  run mutant 12 with pytest's output (with the
+    scripts/mutate proxy/wire/sse.py ...        some of them
+    scripts/mutate --list proxy/wire/sse.py     its mutants, numbered
+    scripts/mutate --show proxy/wire/sse.py:12  run mutant 12 with pytest's output (with the
                                            module's tests, or the test files named after)
     scripts/mutate --report                the scores, from the cache (markdown)
 

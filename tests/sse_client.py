@@ -1,4 +1,4 @@
-"""A client-side SSE reader for tests, written apart from proxy.sse so that the proxy's
+"""A client-side SSE reader for tests, written apart from proxy.wire.sse so that the proxy's
 splitter is checked against an independent reading of the stream."""
 
 from __future__ import annotations

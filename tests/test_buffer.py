@@ -1,10 +1,10 @@
-"""The generation's buffer (proxy/buffer.py): numbering, resuming and both byte caps, pure."""
+"""The generation's buffer (proxy/turn/buffer.py): numbering, resuming and both byte caps, pure."""
 
 from __future__ import annotations
 
 import pytest
 
-from proxy.buffer import Budget, EventBuffer
+from proxy.turn.buffer import Budget, EventBuffer
 
 
 def _filled(n: int, *, cap: int = 1000, budget: Budget | None = None) -> EventBuffer:

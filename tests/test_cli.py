@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.serve import freeze_startup_objects
+from proxy.server.serve import freeze_startup_objects
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""proxy.config: defaults, the TOML file, STREAMFENCE_* environment and flags, in that order
+"""proxy.config.schema: defaults, the TOML file, STREAMFENCE_* environment and flags, in that order
 of precedence, and bad values reported with their key path (CONTRACT section 7).
 
 The example file and `check-config` have their own tests in tests/test_ops_config.py."""
@@ -10,7 +10,7 @@ from typing import Any, get_type_hints
 
 import pytest
 
-from proxy.config import (
+from proxy.config.schema import (
     Config,
     ConfigError,
     RegistryConfig,
@@ -21,7 +21,7 @@ from proxy.config import (
     from_dict,
     load,
 )
-from proxy.validation import RANGES
+from proxy.config.validation import RANGES
 
 URL = {"upstream.url": "http://127.0.0.1:9"}
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from proxy import eager
+from proxy.server import eager
 from tests.conftest import ProxyFactory
 from tests.sse_client import chat_body, events, events_of_a_cut_body
 from tests.stress import harness

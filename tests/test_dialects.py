@@ -1,4 +1,4 @@
-"""proxy.dialects: detection, the superseded/error frame of each dialect (CONTRACT section 4)
+"""proxy.wire.dialects: detection, the superseded/error frame of each dialect (CONTRACT section 4)
 and the JSON error bodies."""
 
 from __future__ import annotations
@@ -9,18 +9,6 @@ from typing import Any
 
 import pytest
 
-from proxy import dialects
-from proxy.dialects import (
-    ANTHROPIC,
-    DIALECTS,
-    GEMINI,
-    OPENAI_CHAT,
-    OPENAI_RESPONSES,
-    SSE,
-    detect,
-    error_body,
-    stream_error_frame,
-)
 from proxy.errors import (
     BadRequest,
     BodyTooLarge,
@@ -32,7 +20,19 @@ from proxy.errors import (
     Unauthorized,
     UpstreamTimeout,
 )
-from proxy.sse import SSESplitter
+from proxy.wire import dialects
+from proxy.wire.dialects import (
+    ANTHROPIC,
+    DIALECTS,
+    GEMINI,
+    OPENAI_CHAT,
+    OPENAI_RESPONSES,
+    SSE,
+    detect,
+    error_body,
+    stream_error_frame,
+)
+from proxy.wire.sse import SSESplitter
 from tests.test_sse import reference_events
 
 # --- detection ----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""proxy/eager.py: uvicorn's protocol with each request's first step taken in the read
+"""proxy/server/eager.py: uvicorn's protocol with each request's first step taken in the read
 that completed it. Driven by hand with a transport that records writes, so "in the same
 callback" is checked exactly: nothing is awaited between the bytes and the check."""
 
@@ -43,7 +43,7 @@ class Transport(asyncio.Transport):
 
 def protocol(app: Any) -> tuple[Any, Transport]:
     config = uvicorn.Config(
-        app, http="proxy.eager:Protocol", lifespan="off", log_config=None, access_log=False
+        app, http="proxy.server.eager:Protocol", lifespan="off", log_config=None, access_log=False
     )
     config.load()
     proto = config.http_protocol_class(config=config, server_state=ServerState(), app_state={})

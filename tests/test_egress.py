@@ -22,11 +22,12 @@ import pytest
 import trustme
 import uvloop
 
-from proxy import cli, egress
-from proxy import serve as proxy_serve
-from proxy.config import ConfigError, from_dict, load
-from proxy.transport import Transport
-from proxy.upstream import ssl_context_for
+from proxy import cli
+from proxy.config import egress
+from proxy.config.schema import ConfigError, from_dict, load
+from proxy.server import serve as proxy_serve
+from proxy.upstream.client import ssl_context_for
+from proxy.upstream.transport import Transport
 from tests.conftest import ProxyFactory
 from tests.sse_client import chat_body, events
 from tests.stress import harness

@@ -11,11 +11,11 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy import follow
-from proxy.buffer import Budget
-from proxy.follow import RETIRED_SECONDS, Attempt, Decision, Generations, Policy
-from proxy.follow import Ask as RealAsk
-from proxy.upstream import UpstreamClient
+from proxy.turn import rule as follow
+from proxy.turn.buffer import Budget
+from proxy.turn.rule import RETIRED_SECONDS, Attempt, Decision, Generations, Policy
+from proxy.turn.rule import Ask as RealAsk
+from proxy.upstream.client import UpstreamClient
 
 
 @dataclass

@@ -147,7 +147,7 @@ async def test_websocket_responses_plain_and_fenced(make_proxy: ProxyFactory) ->
     # for the collector. Once per socket its Session is: anyio's task group keeps a cancelled
     # child's CancelledError in its own frame (a cycle through that error's traceback, which
     # holds the child's frames and so the session); sockets are few and long-lived.
-    # uvicorn's HTTP protocol (proxy.eager's subclass) is one too after the upgrade: its
+    # uvicorn's HTTP protocol (proxy.server.eager's subclass) is one too after the upgrade: its
     # parser holds its callbacks; before the subclass that cycle was uvicorn's, uncounted.
     per_socket = {"Session", "Upgrade", "Route", "Protocol"}
     async with ws_upstream() as wsup, make_proxy(wsup.url, **SUPERSEDE) as proxy:

@@ -13,15 +13,15 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.buffer import Budget
-from proxy.follow import Ask
-from proxy.generation import Generation
-from proxy.logs import Record
+from proxy.ops.logs import Record
 from proxy.registry import Lease, MemoryRegistry
-from proxy.relay import Subscriber
-from proxy.transport import Transport as FastTransport
-from proxy.upstream import UpstreamClient
-from proxy.writes import Exchange
+from proxy.turn.buffer import Budget
+from proxy.turn.generation import Generation
+from proxy.turn.relay import Subscriber
+from proxy.turn.rule import Ask
+from proxy.turn.writes import Exchange
+from proxy.upstream.client import UpstreamClient
+from proxy.upstream.transport import Transport as FastTransport
 from tests.upstream import Script, ScriptedUpstream
 
 Item = bytes | Callable[[], object]

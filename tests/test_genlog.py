@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from proxy.config import RegistryConfig
+from proxy.config.schema import RegistryConfig
 from proxy.errors import GenerationLost
-from proxy.registry.genlog import (
+from proxy.registry.genlog.log import (
     DEAD_AFTER,
     DETECT_WITHIN,
     HEARTBEAT,

@@ -20,8 +20,10 @@ import pytest
 import trustme
 import zstandard
 
-from proxy import causes, codings, logs
-from proxy.routing import request_headers, response_headers
+from proxy.ops import logs
+from proxy.upstream import causes
+from proxy.upstream.routing import request_headers, response_headers
+from proxy.wire import codings
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import chat_body
 from tests.stress import harness

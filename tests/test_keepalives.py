@@ -1,4 +1,4 @@
-"""What is a keep-alive, per dialect (proxy.dialects; docs/keepalives.md), and the health rule
+"""What is a keep-alive, per dialect (proxy.wire.dialects; docs/keepalives.md), and the health rule
 that keep-alives do not feed (proxy.health), in Python and in the Redis script's Lua: pure
 tables, the Lua one run by a real Redis."""
 
@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from proxy import dialects, health
-from proxy.dialects import ANTHROPIC, GEMINI, OPENAI_CHAT, OPENAI_RESPONSES, SSE
+from proxy import health
 from proxy.registry.scripts import CLAIM_OR_FOLLOW
-from proxy.sse import SSESplitter, event_id, with_id
+from proxy.wire import dialects
+from proxy.wire.dialects import ANTHROPIC, GEMINI, OPENAI_CHAT, OPENAI_RESPONSES, SSE
+from proxy.wire.sse import SSESplitter, event_id, with_id
 from tests.redis_server import RedisServer, redis_client
 
 ALL = (OPENAI_CHAT, OPENAI_RESPONSES, ANTHROPIC, GEMINI, SSE)
@@ -121,7 +122,7 @@ def test_gemini_clients_never_get_a_keepalive() -> None:
     ],
 )
 def test_a_keepalive_named_by_its_type(dialect: str, event_type: object, expected: bool) -> None:
-    """Over a WebSocket an event's type is in its JSON (proxy.wsfence)."""
+    """Over a WebSocket an event's type is in its JSON (proxy.websocket.fence)."""
     assert dialects.names_keepalive(dialect, event_type) is expected
 
 

@@ -1,4 +1,4 @@
-"""The accept loop (proxy/listen.py) on a real uvloop loop and real loopback sockets.
+"""The accept loop (proxy/server/listen.py) on a real uvloop loop and real loopback sockets.
 
 libuv accepts one connection per loop iteration; under load that left connections queued in
 the kernel for seconds (bench B5). Each test here counts loop iterations, not time."""
@@ -17,8 +17,8 @@ import pytest
 import uvicorn
 import uvloop
 
-from proxy import listen, serve
-from proxy.config import load
+from proxy.config.schema import load
+from proxy.server import listen, serve
 
 
 class Counting(asyncio.Protocol):

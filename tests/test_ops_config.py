@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from proxy import cli
-from proxy.config import defaults_as_dict, load
+from proxy.config.schema import defaults_as_dict, load
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "config.example.toml"

@@ -244,7 +244,8 @@ def test_install_steps_make_a_working_command(installed: Path, tmp_path: Path) -
         [
             str(installed / "bin" / "python"),
             "-c",
-            "import proxy, proxy.app, proxy.status, proxy.registry.redis; print(proxy.__file__)",
+            "import proxy, proxy.server.app, proxy.ops.status, proxy.registry.redis;"
+            " print(proxy.__file__)",
         ],
         capture_output=True,
         text=True,

@@ -14,8 +14,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from proxy import shutdown
-from proxy.config import Config, load
+from proxy.config.schema import Config, load
+from proxy.server import shutdown
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBE = ROOT / "deploy" / "kubernetes"

@@ -26,8 +26,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy import logs, serve
-from proxy.config import load
+from proxy.config.schema import load
+from proxy.ops import logs
+from proxy.server import serve
 from tests.conftest import ProxyFactory
 from tests.sse_client import chat_body, events, events_of_a_cut_body, open_stream
 from tests.upstream import ScriptedUpstream, free_port
@@ -443,7 +444,7 @@ def test_logs_are_text_on_a_terminal_and_json_otherwise() -> None:
 def test_python_warnings_and_uncaught_exceptions_are_json_lines_too() -> None:
     code = (
         "import threading, warnings\n"
-        "from proxy import logs\n"
+        "from proxy.ops import logs\n"
         "logs.configure('info', 'json')\n"
         "warnings.warn('an old API', DeprecationWarning, stacklevel=1)\n"
         "t = threading.Thread(target=lambda: 1 / 0)\n"

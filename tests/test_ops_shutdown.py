@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 
-from proxy import shutdown
-from proxy.config import ServerConfig
+from proxy.config.schema import ServerConfig
+from proxy.server import shutdown
 from tests.sse_client import chat_body, events
 from tests.upstream import ScriptedUpstream
 

@@ -22,10 +22,10 @@ import sse_starlette.sse
 from sse_starlette.sse import AppStatus
 from starlette.requests import Request
 
-from proxy import status, statuspage
 from proxy.errors import MalformedStream, UpstreamConnectError, UpstreamTimeout
-from proxy.generation import Generation
-from proxy.logs import Record
+from proxy.ops import status, statuspage
+from proxy.ops.logs import Record
+from proxy.turn.generation import Generation
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import Event, chat_body, events, open_stream
 from tests.upstream import ScriptedUpstream, free_port
@@ -235,7 +235,7 @@ async def test_the_page_follows_the_generations_own_health_rule(
 
 
 def test_what_has_no_generation_has_no_health() -> None:
-    # A WebSocket response (proxy/wsfence.py Attempt) has no `gen`: shown without a state.
+    # A WebSocket response (proxy/websocket/fence.py Attempt) has no `gen`: shown without a state.
     class Attempt:
         record = Record("WS", "/v1/responses")
 

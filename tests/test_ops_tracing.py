@@ -23,8 +23,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from proxy import tracing
-from proxy.config import TracingConfig
+from proxy.config.schema import TracingConfig
+from proxy.ops import tracing
 from tests.conftest import ProxyFactory
 from tests.sse_client import chat_body, events, open_stream
 from tests.upstream import ScriptedUpstream, free_port
@@ -195,8 +195,8 @@ def test_when_tracing_is_on_and_when_not() -> None:
 def test_off_it_never_imports_opentelemetry() -> None:
     code = (
         "import sys\n"
-        "from proxy.app import create_app\n"
-        "from proxy.config import load\n"
+        "from proxy.server.app import create_app\n"
+        "from proxy.config.schema import load\n"
         "app = create_app(load(env={}, overrides={'upstream.url': 'http://127.0.0.1:9'}))\n"
         "assert app.state.runtime.tracer is None\n"
         "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n"

@@ -1,9 +1,9 @@
-"""proxy/pacing.py: which reads of an upstream body pause reading, decided from sizes and
-times handed in (no clock, no socket). proxy.connection's part is in test_transport.py."""
+"""proxy/upstream/pacing.py: which reads of an upstream body pause reading, decided from sizes and
+times handed in (no clock, no socket). proxy.upstream.connection's part is in test_transport.py."""
 
 from __future__ import annotations
 
-from proxy.pacing import HOT_GAP, HOT_READS, SMALL_READ, ReadPacer
+from proxy.upstream.pacing import HOT_GAP, HOT_READS, SMALL_READ, ReadPacer
 
 SMALL = 200  # one token event in its chunk
 STEP = HOT_GAP / 10  # reads back to back

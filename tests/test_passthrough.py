@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from proxy.app import create_app
-from proxy.config import from_dict
+from proxy.config.schema import from_dict
+from proxy.server.app import create_app
 from tests.conftest import Proxy
 from tests.sse_client import chat_body, events
 from tests.upstream import ScriptedUpstream, serve

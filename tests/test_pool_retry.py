@@ -11,8 +11,8 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 
-from proxy.connection import HINT_CAP, keep_alive_expiry
-from proxy.transport import Transport
+from proxy.upstream.connection import HINT_CAP, keep_alive_expiry
+from proxy.upstream.transport import Transport
 from tests.conftest import ProxyFactory
 from tests.sse_client import chat_body
 from tests.stress import harness

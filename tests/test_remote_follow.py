@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.registry.genlog import DETECT_WITHIN
+from proxy.registry.genlog.log import DETECT_WITHIN
 from proxy.registry.redis import RedisRegistry
 from tests.conftest import Proxy, ProxyFactory
 from tests.netlink import Link

@@ -1,4 +1,4 @@
-"""proxy.routing: which upstream a path goes to, and which headers cross the proxy."""
+"""proxy.upstream.routing: which upstream a path goes to, and which headers cross the proxy."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.config import UpstreamConfig
+from proxy.config.schema import UpstreamConfig
 from proxy.errors import BadRequest, NoRoute
-from proxy.routing import HOP_BY_HOP, Router, build_url, request_headers, response_headers
+from proxy.upstream.routing import HOP_BY_HOP, Router, build_url, request_headers, response_headers
 
 
 def up(prefix: str, url: str, name: str | None = None) -> UpstreamConfig:

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy import serve
-from proxy.config import load
+from proxy.config.schema import load
+from proxy.server import serve
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import chat_body, events, open_stream
 from tests.stress import harness

@@ -1,4 +1,4 @@
-"""proxy.sse: the splitter finds event boundaries without changing a byte, whatever the
+"""proxy.wire.sse: the splitter finds event boundaries without changing a byte, whatever the
 chunking and line endings; checked against an independent WHATWG-style reference parser."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy import sse
 from proxy.errors import MalformedStream
-from proxy.sse import SSESplitter, encode_event, event_id, parse_fields, resumes_after
+from proxy.wire import sse
+from proxy.wire.sse import SSESplitter, encode_event, event_id, parse_fields, resumes_after
 
 
 @pytest.fixture(scope="module", autouse=True, params=["rescan", "park"])

@@ -100,7 +100,7 @@ async def test_shielded_the_rest_outlives_a_cancelled_caller_and_its_own_cancel_
     assert ends == ["finished", "cancelled"]
 
 
-# -- start_eagerly: a task whose first step the caller takes (proxy/eager.py) -----------
+# -- start_eagerly: a task whose first step the caller takes (proxy/server/eager.py) -----------
 
 
 async def _eagerly(

@@ -1,4 +1,4 @@
-"""proxy.transport against real servers on 127.0.0.1: raw asyncio servers whose every byte
+"""proxy.upstream.transport against real servers on 127.0.0.1: raw asyncio servers whose every byte
 the test scripts, so framing, keep-alive, closes and resets are exactly what is asked for.
 
 Synchronisation is by events the server sets (request seen, EOF seen), never by sleeping.
@@ -20,11 +20,12 @@ import httpx
 import pytest
 import trustme
 
-from proxy import connection, pacing, upstream
-from proxy.config import load
+from proxy.config.schema import load
 from proxy.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
-from proxy.transport import Body, Transport
-from proxy.upstream import create_client, translate_errors
+from proxy.upstream import client as upstream
+from proxy.upstream import connection, pacing
+from proxy.upstream.client import create_client, translate_errors
+from proxy.upstream.transport import Body, Transport
 from tests.conftest import PROXY_LOOP
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -1,4 +1,4 @@
-"""proxy.turns: which requests are attempts of the same turn (CONTRACT section 3)."""
+"""proxy.wire.turns: which requests are attempts of the same turn (CONTRACT section 3)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from bench.fingerprint import json_module_fingerprint
 from proxy.errors import BadRequest
-from proxy.turns import (
+from proxy.wire.turns import (
     TurnKey,
     credential_scope,
     explicit_turn_id,

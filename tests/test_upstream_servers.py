@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy import connection, pacing
+from proxy.upstream import connection, pacing
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import chat_body, events, open_stream
 from tests.upstream import free_port
@@ -121,7 +121,7 @@ async def test_a_long_node_stream_written_event_by_event_arrives_whole_read_in_b
     make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch, offered: str
 ) -> None:
     # Node writes (and, compressed, flushes) each event on its own, a loop turn apart: the
-    # proxy reads such a body in batches (proxy/pacing.py), and every event must come out
+    # proxy reads such a body in batches (proxy/upstream/pacing.py), and every event must come out
     # once, in order, whatever Node's framing of its chunks. Every read after the first is
     # paced here, whatever the machine's timing (on a loaded one, Node's writes may arrive
     # gathered and never come back to back): this is about Node's framing across the

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from proxy.registry.genlog import GenerationLog
+    from proxy.registry.genlog.log import GenerationLog
 
 
 class Lease:

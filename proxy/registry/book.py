@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from proxy.registry.base import Lease
-from proxy.registry.subscriber import Recent
+from proxy.registry.listener import Recent
 
 # A lease named across processes: tokens are unique per turn key (see `connection`).
 Ref = tuple[str, int]

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from proxy.registry.base import Lease
 from proxy.registry.book import Book, Ref
-from proxy.registry.subscriber import Recent
+from proxy.registry.listener import Recent
 
 log = logging.getLogger("streamfence")
 

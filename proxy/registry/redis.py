@@ -31,11 +31,14 @@ from typing import Any, NamedTuple
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
-from proxy.config import RegistryConfig
+from proxy.config.schema import RegistryConfig
 from proxy.errors import RegistryUnavailable
 from proxy.registry.base import Lease, Registry
 from proxy.registry.book import Book, ref
-from proxy.registry.connection import (
+from proxy.registry.genlog.log import CHECK_EVERY, DEAD_AFTER, READER_TTL, GenerationLog
+from proxy.registry.handshake import Handshake
+from proxy.registry.listener import Subscriber
+from proxy.registry.redisio import (
     COMMAND_TIMEOUT,
     Call,
     Client,
@@ -44,11 +47,8 @@ from proxy.registry.connection import (
     is_cluster,
     translate,
 )
-from proxy.registry.genlog import CHECK_EVERY, DEAD_AFTER, READER_TTL, GenerationLog
-from proxy.registry.handshake import Handshake
 from proxy.registry.rounds import Batcher, send_round
 from proxy.registry.scripts import CLAIM, CLAIM_OR_FOLLOW, REFRESH, RELEASE
-from proxy.registry.subscriber import Subscriber
 
 log = logging.getLogger("streamfence")
 

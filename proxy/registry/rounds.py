@@ -15,7 +15,7 @@ import logging
 from typing import Any
 
 from proxy.errors import RegistryUnavailable
-from proxy.registry.connection import Call, Client, run_scripts, translate, unavailable
+from proxy.registry.redisio import Call, Client, run_scripts, translate, unavailable
 
 log = logging.getLogger("streamfence")
 

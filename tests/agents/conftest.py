@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from proxy.listen import Loop
+from proxy.server.listen import Loop
 from tests.agents.harness import RUNNING
 from tests.conftest import PROXY_LOOP
 

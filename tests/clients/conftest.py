@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from proxy.listen import Loop
+from proxy.server.listen import Loop
 from tests.clients.node_worker import NODE_CLIENTS, NodeWorker, node_missing
 from tests.clients.pyclients import CLEANUP, PYTHON_CLIENTS, Call, Outcome
 from tests.conftest import PROXY_LOOP, Proxy, ProxyFactory

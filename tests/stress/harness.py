@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from proxy.errors import StreamfenceError
-from proxy.logs import Record
+from proxy.ops.logs import Record
 from proxy.runtime import Runtime
 
 WAIT_LIMIT = 60.0  # seconds: a hang fails the test instead of the whole run
@@ -20,7 +20,7 @@ def busy_upstream_connections(runtime: Runtime) -> int:
     """Upstream connections the proxy's pool still has in use (not idle, not closed)."""
     assert runtime.client is not None
     transport = runtime.client.transport
-    if hasattr(transport, "in_use"):  # proxy.transport.Transport, the default
+    if hasattr(transport, "in_use"):  # proxy.upstream.transport.Transport, the default
         return int(transport.in_use())
     pool = transport._pool  # type: ignore[attr-defined]
     return sum(1 for c in pool.connections if not (c.is_idle() or c.is_closed()))

@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from proxy.generation import Generation
-from proxy.relay import Subscriber
+from proxy.turn.generation import Generation
+from proxy.turn.relay import Subscriber
 from tests.conftest import ProxyFactory
 from tests.stress import harness
 from tests.stress.schedules import Attempt, Driver, driver_client

@@ -1,0 +1,1 @@
+"""The configuration: its schema, loading (TOML, environment, flags) and checks."""

@@ -1,0 +1,1 @@
+"""What operators see: logs, metrics, traces, the status page."""

@@ -1,0 +1,1 @@
+"""A generation's events on Redis, for followers in other processes."""

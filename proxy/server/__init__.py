@@ -1,0 +1,1 @@
+"""The ASGI app, the proxy endpoint, serving, the accept loop, shutdown."""

@@ -1,0 +1,1 @@
+"""Talking to providers: the HTTP client and transport, routing, egress."""

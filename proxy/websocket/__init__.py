@@ -1,0 +1,1 @@
+"""The Responses WebSocket mode: upgrades, sessions, fencing per response."""
