@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ import pytest
 
 from proxy.server.listen import Loop
 from tests.clients.node_worker import NODE_CLIENTS, NodeWorker, node_missing
-from tests.clients.pyclients import CLEANUP, PYTHON_CLIENTS, Call, Outcome
+from tests.clients.pyclients import CLEANUP, LIBRARIES, PYTHON_CLIENTS, Call, Outcome
 from tests.conftest import PROXY_LOOP, Proxy, ProxyFactory
 from tests.upstream import ScriptedUpstream
 
@@ -61,6 +62,8 @@ async def world(
     client: str = request.param
     assert isinstance(asyncio.get_running_loop(), Loop)  # streamfence's own (anyio_backend)
     node = request.getfixturevalue("node_worker") if client in NODE_CLIENTS else None
+    if client in LIBRARIES:
+        importlib.import_module(LIBRARIES[client])  # before the scenario: see LIBRARIES
     async with make_proxy(upstream.url, **{"upstream.healthy_within": HEALTHY_WITHIN}) as proxy:
         yield World(client, proxy, upstream, node)
         for seen in upstream.seen:  # nothing of a scenario stays held open
