@@ -20,7 +20,7 @@ import anthropic
 import openai
 import pytest
 
-from proxy import health
+from proxy.wire import health
 from tests.conftest import ProxyFactory
 from tests.sse_client import chat_body, events
 from tests.upstream import Script, ScriptedUpstream
@@ -168,7 +168,7 @@ async def test_following_is_judged_by_the_one_health_function(
     monkeypatch: pytest.MonkeyPatch,
     healthy: bool,
 ) -> None:
-    """With proxy.health.healthy answering `healthy` whatever the clock says, an identical
+    """With proxy.wire.health.healthy answering `healthy` whatever the clock says, an identical
     request follows the running generation, or replaces it (the WebSocket twin rule calls
     the same function: tests/test_websocket_fence.py)."""
     monkeypatch.setattr(health, "healthy", lambda alive_at, now, within: healthy)

@@ -1,12 +1,12 @@
 """What is a keep-alive, per dialect (proxy.wire.dialects; docs/keepalives.md), and the health rule
-that keep-alives do not feed (proxy.health), in Python and in the Redis script's Lua: pure
+that keep-alives do not feed (proxy.wire.health), in Python and in the Redis script's Lua: pure
 tables, the Lua one run by a real Redis."""
 
 from __future__ import annotations
 
 import pytest
 
-from proxy import health
+from proxy.wire import health
 from proxy.registry.scripts import CLAIM_OR_FOLLOW
 from proxy.wire import dialects
 from proxy.wire.dialects import ANTHROPIC, GEMINI, OPENAI_CHAT, OPENAI_RESPONSES, SSE

@@ -15,7 +15,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from proxy import health
+from proxy.wire import health
 from proxy.errors import ShuttingDown
 from tests.conftest import Proxy, ProxyFactory
 from tests.redis_server import REDIS_SERVER, running_redis
@@ -242,7 +242,7 @@ async def test_identical_retry_of_a_response_stalled_behind_keepalives_supersede
     wsup: WsUpstream, make_proxy: ProxyFactory
 ) -> None:
     """The response sends OpenAI's `keepalive` events and nothing else: stalled all the same
-    (proxy.health, the rule HTTP follows). The identical response.create on another socket,
+    (proxy.wire.health, the rule HTTP follows). The identical response.create on another socket,
     right after a keep-alive, supersedes it instead of going beside a stuck twin."""
     overrides = {"upstream.on_retry": "adaptive", "upstream.healthy_within": 0.3}
     async with make_proxy(wsup.url, **SCRIPT, **overrides) as proxy:
@@ -266,7 +266,7 @@ async def test_identical_retry_of_a_response_stalled_behind_keepalives_supersede
 async def test_the_twin_rule_is_the_health_function_http_uses(
     wsup: WsUpstream, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch, healthy: bool
 ) -> None:
-    """One rule: with proxy.health.healthy answering `healthy` whatever the clock says, an
+    """One rule: with proxy.wire.health.healthy answering `healthy` whatever the clock says, an
     identical response.create goes beside a running twin, or supersedes it."""
     monkeypatch.setattr(health, "healthy", lambda alive_at, now, within: healthy)
     overrides = {"upstream.on_retry": "adaptive", "upstream.healthy_within": 60}

@@ -62,7 +62,7 @@ class Follow(NamedTuple):
     attempt: int
     events: int  # published so far
     reader_id: str = ""  # registered as a reader of its log under this id, by the claim
-    quiet: float = 0.0  # seconds since its last sign of life (proxy.health), Redis's clock
+    quiet: float = 0.0  # seconds since its last sign of life (proxy.wire.health), Redis's clock
 
 
 class RedisRegistry(Registry):

@@ -3,7 +3,7 @@ and a release can never interleave with another process's."""
 
 from __future__ import annotations
 
-from proxy import health
+from proxy.wire import health
 
 # A claim carries an id of its own (`by`), kept in the entry: redis-py sends a command again
 # after a connection error, which may come after Redis ran it (the reply lost on the way).
@@ -41,7 +41,7 @@ CLAIM = (
 
 # The claim of a followable generation (CONTRACT section 3, across processes), atomic: if
 # the turn's holder publishes a log (genlog) for an identical request, in the same streaming
-# mode, whose writer is alive and which is healthy (proxy.health's rule on the log's `last`,
+# mode, whose writer is alive and which is healthy (proxy.wire.health's rule on the log's `last`,
 # which moves on content only; or `join`), answer {'follow', token, attempt, events
 # published, ms since `last`} and claim nothing; in the other mode while healthy, {'beside'};
 # otherwise claim, and create the new generation's log in the same step, so that a twin on

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import httpx
 
-from proxy import health
+from proxy.wire import health
 from proxy.errors import StreamfenceError, UpstreamError
 from proxy.registry import Lease, Registry
 from proxy.tasks import spawn
@@ -89,7 +89,7 @@ class Generation:
         self.completed = False  # ... and the upstream's whole answer is in the buffer
         self.retained = ask.retain_for > 0  # kept after its clients leave, for replays
         # The later of the request, its response headers and its last content event: what
-        # its health is judged by (proxy.health). Keep-alives do not move it.
+        # its health is judged by (proxy.wire.health). Keep-alives do not move it.
         self.alive_at = time.monotonic()
         self._keepalives, self._keepalive_firsts, self._drops_keepalives = dialects.keepalives(
             ask.dialect

@@ -17,7 +17,7 @@ it locally), whose reader reads the log instead of an upstream:
   still reads it (`Generation.detach`);
 - the writer's process dying, or Redis losing the log, ends it with `GenerationLost`
   within `DETECT_WITHIN` (3 s): a clear error event, never a clean end of a cut answer;
-- its health is the writer's: judged (proxy.health) from the log's `last` stamp, which
+- its health is the writer's: judged (proxy.wire.health) from the log's `last` stamp, which
   moves on content only, as the claim script judged it, never from when this process read a
   batch (a catch-up of old events is not a sign of life).
 """

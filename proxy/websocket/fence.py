@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from proxy import health
+from proxy.wire import health
 from proxy.errors import RegistryUnavailable, StreamfenceError, Superseded
 from proxy.ops.logs import Record
 from proxy.registry import Lease
@@ -70,7 +70,7 @@ class Attempt:
     done: bool = False
     last_event: str | None = None
     # The later of the request and its last content event (time.monotonic): its health
-    # (proxy.health), by the rule HTTP generations follow. Keep-alives do not move it.
+    # (proxy.wire.health), by the rule HTTP generations follow. Keep-alives do not move it.
     alive_at: float = field(default_factory=time.monotonic)
     owner: ResponsesFence | None = None
 

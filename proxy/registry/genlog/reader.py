@@ -52,7 +52,7 @@ class Meta:
     events: int  # events published so far
     since_write: float  # seconds since the writer's last stamp (Redis's clock)
     # Seconds since the later of the request, the response headers and the last batch with
-    # content (proxy.health: keep-alives do not count), by Redis's clock.
+    # content (proxy.wire.health: keep-alives do not count), by Redis's clock.
     since_activity: float
 
     @classmethod

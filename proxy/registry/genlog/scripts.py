@@ -31,7 +31,7 @@ return nows
 # response headers, or a batch with content in it), m, then m meta field pairs, then the
 # entry's field pairs. Stamps the writer's liveness (`at`, on every write) and, if alive,
 # `last`: the later of the request, the response headers and the last content event, which
-# the health rule reads (proxy.health; keep-alives and heartbeats do not move it). Extends
+# the health rule reads (proxy.wire.health; keep-alives and heartbeats do not move it). Extends
 # every key's expiry and returns how many readers are registered, or -1 if the log is gone
 # (Redis restarted or evicted it): then it leaves an end readers can see, and the writer
 # stops publishing.

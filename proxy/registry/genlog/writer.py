@@ -40,7 +40,7 @@ class _Write(NamedTuple):
     kind: str  # 'o' open, '' heartbeat, 's' started, 'b' batch, 'e' end
     meta: list[Any]  # field pairs for the meta hash
     entry: list[Any]  # field pairs for the stream entry
-    # It moves the log's `last` (proxy.health): the response headers, or a batch with some
+    # It moves the log's `last` (proxy.wire.health): the response headers, or a batch with some
     # content in it. Keep-alives alone do not, nor the writer's own heartbeat (`at` only).
     alive: bool = False
 
