@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.wire import health
 from proxy.registry.scripts import CLAIM_OR_FOLLOW
-from proxy.wire import dialects
+from proxy.wire import dialects, health
 from proxy.wire.dialects import ANTHROPIC, GEMINI, OPENAI_CHAT, OPENAI_RESPONSES, SSE
 from proxy.wire.sse import SSESplitter, event_id, with_id
 from tests.redis_server import RedisServer, redis_client

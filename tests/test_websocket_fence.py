@@ -15,8 +15,8 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from proxy.wire import health
 from proxy.errors import ShuttingDown
+from proxy.wire import health
 from tests.conftest import Proxy, ProxyFactory
 from tests.redis_server import REDIS_SERVER, running_redis
 from tests.upstream import ScriptedUpstream, free_port

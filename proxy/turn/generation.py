@@ -24,14 +24,13 @@ from typing import TYPE_CHECKING, Protocol
 
 import httpx
 
-from proxy.wire import health
 from proxy.errors import StreamfenceError, UpstreamError
 from proxy.registry import Lease, Registry
 from proxy.tasks import spawn
 from proxy.turn.buffer import Budget, EventBuffer
 from proxy.upstream import client as upstream
 from proxy.upstream.client import UpstreamClient
-from proxy.wire import dialects
+from proxy.wire import dialects, health
 from proxy.wire.sse import event_id, resumes_after, with_id
 
 if TYPE_CHECKING:

@@ -28,11 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from proxy.wire import health
 from proxy.errors import RegistryUnavailable, StreamfenceError, Superseded
 from proxy.ops.logs import Record
 from proxy.registry import Lease
-from proxy.wire import dialects, turns
+from proxy.wire import dialects, health, turns
 from proxy.wire.sse import parse_fields
 
 if TYPE_CHECKING:
