@@ -9,18 +9,25 @@ import hmac
 from typing import Protocol
 
 from proxy.config.schema import Config
-from proxy.errors import StreamfenceError
+from proxy.errors import ShuttingDown, StreamfenceError
 from proxy.ops import logs, status, tracing
 from proxy.ops.logs import Record
 from proxy.ops.metrics import Metrics
 from proxy.registry import Registry
-from proxy.server.shutdown import Abortable
 from proxy.turn.buffer import Budget
-from proxy.turn.rule import Generations, Policy
+from proxy.turn.rule import Policy
+from proxy.turn.table import Generations
 from proxy.upstream.client import UpstreamClient
 from proxy.upstream.routing import Router
 
 ACCESS_TOKEN_HEADER = b"x-streamfence-token"
+
+
+class Abortable(Protocol):
+    """What the shutdown drain (proxy/server/shutdown.py) ends: with an error, at its next
+    await, in its dialect."""
+
+    def abort(self, error: ShuttingDown) -> None: ...
 
 
 class InFlight(Abortable, Protocol):

@@ -11,10 +11,12 @@ from typing import Any
 import httpx
 import pytest
 
+from proxy.registry import MemoryRegistry
 from proxy.turn import rule as follow
 from proxy.turn.buffer import Budget
-from proxy.turn.rule import RETIRED_SECONDS, Attempt, Decision, Generations, Policy
-from proxy.turn.rule import Ask as RealAsk
+from proxy.turn.generation import Ask as RealAsk
+from proxy.turn.rule import Attempt, Decision, Policy
+from proxy.turn.table import RETIRED_SECONDS, Generations
 from proxy.upstream.client import UpstreamClient
 
 
@@ -135,7 +137,7 @@ async def test_a_refusal_of_a_replaced_version_expires_after_retired_seconds() -
     # A generation of the edited version of a turn, which replaced the "old" one, over a
     # transport that answers at once; nobody reads it: it ends, and the table forgets it
     # but for the versions it replaced.
-    table = Generations(UpstreamClient(_Answers()), None, Budget(1 << 20))
+    table = Generations(UpstreamClient(_Answers()), MemoryRegistry(), Budget(1 << 20))
     ask = RealAsk(
         request=httpx.Request("POST", "http://upstream.test/v1/chat/completions", json={}),
         upstream="up",

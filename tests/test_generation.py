@@ -16,9 +16,8 @@ import pytest
 from proxy.ops.logs import Record
 from proxy.registry import Lease, MemoryRegistry
 from proxy.turn.buffer import Budget
-from proxy.turn.generation import Generation
+from proxy.turn.generation import Ask, Generation
 from proxy.turn.relay import Subscriber
-from proxy.turn.rule import Ask
 from proxy.turn.writes import Exchange
 from proxy.upstream.client import UpstreamClient
 from proxy.upstream.transport import Transport as FastTransport

@@ -15,6 +15,7 @@ import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, get_type_hints
 
 from proxy.config import validation
@@ -95,6 +96,15 @@ class TracingConfig:
     endpoint: str = ""
 
 
+class OnRetry(StrEnum):
+    """What a repeated request of a running turn does (CONTRACT section 3): follow the
+    running generation while it is healthy, always, or never."""
+
+    ADAPTIVE = "adaptive"
+    SUPERSEDE = "supersede"
+    JOIN = "join"
+
+
 @dataclass(frozen=True)
 class UpstreamConfig:
     url: str = ""
@@ -102,9 +112,7 @@ class UpstreamConfig:
     prefix: str = "/"
     dialect: str = "auto"
     fingerprint: bool = True
-    # What a repeated request of a running turn does (CONTRACT section 3): follow the
-    # running generation while it is healthy (adaptive), always (join), or never (supersede).
-    on_retry: str = "adaptive"
+    on_retry: OnRetry = OnRetry.ADAPTIVE
     connect_timeout: float = 10.0
     idle_timeout: float = 600.0
     max_event_bytes: int = 16 * 1024 * 1024
@@ -135,7 +143,6 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "registry.on_unavailable": ("fail_open", "fail_closed"),
     "tracing.enabled": ("auto", "on", "off"),
     "upstream.dialect": ("auto", *DIALECTS),
-    "upstream.on_retry": ("supersede", "join", "adaptive"),
     "upstream.event_ids": ("auto", "always", "never"),
 }
 
@@ -341,6 +348,13 @@ def _coerce(value: Any, hint: Any) -> Any:
         if number != number:  # NaN passes every range check below
             raise TypeError(f"must be a number, not {value!r}")
         return number
+    if isinstance(hint, type) and issubclass(hint, StrEnum):
+        if not isinstance(value, str):
+            raise TypeError(f"must be a string, not {value!r}")
+        try:
+            return hint(value)
+        except ValueError:
+            raise TypeError(f"must be one of {', '.join(hint)}, not {value!r}") from None
     if hint is str:
         if not isinstance(value, str):
             raise TypeError(f"must be a string, not {value!r}")

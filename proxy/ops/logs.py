@@ -23,6 +23,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from types import TracebackType
 from typing import IO, Any
 
@@ -31,6 +32,29 @@ logger = logging.getLogger("streamfence")
 # request and supersede lines): the formatters pass it through. One shared dict, so the
 # hot path allocates nothing for it.
 _WHOLE_LINE = {"streamfence_line": True}
+
+
+class Outcome(StrEnum):
+    """How a request ended: the log line's `outcome`, the metrics' label."""
+
+    PENDING = "pending"  # not yet
+    COMPLETED = "completed"  # the whole answer reached the client
+    SUPERSEDED = "superseded"  # fenced by a newer generation of its turn
+    CLIENT_GONE = "client_gone"  # the client left (or stopped reading) first
+    UPSTREAM_ERROR = "upstream_error"  # the upstream failed, or its answer was cut
+    REJECTED = "rejected"  # refused by the proxy itself (bad input, no route, no token)
+    SHUTDOWN = "shutdown"  # ended by the proxy's own shutdown
+
+
+class Source(StrEnum):
+    """How a request was served (proxy/turn/rule.py decides): `x-streamfence-source`."""
+
+    UPSTREAM = "upstream"  # it started a generation
+    BESIDE = "beside"  # it started one beside the turn's running generation, unfenced
+    FOLLOWED = "followed"  # it followed a running generation from its start
+    RESUMED = "resumed"  # ... from after its Last-Event-ID
+    REPLAYED = "replayed"  # it was replayed from a generation that had completed
+    REFUSED = ""  # the proxy answered it itself: no upstream, no generation
 
 
 @dataclass(slots=True)
@@ -47,14 +71,11 @@ class Record:
     turn: str = ""  # short hashed turn key, "" when the request has none
     attempt: int = 0
     status: int = 0
-    # completed | superseded | client_gone | upstream_error | rejected | shutdown
-    outcome: str = "pending"
+    outcome: Outcome = Outcome.PENDING
     error: str = ""  # an errors.* code when the request failed
     cause: str = ""  # an upstream failure's cause and address (errors.UpstreamError.cause)
     streaming: bool = False
-    # upstream | beside | followed | resumed | replayed (proxy/turn/rule.py); "" for a request
-    # the proxy refused (or lost) before any upstream or generation was involved.
-    source: str = "upstream"
+    source: Source = Source.UPSTREAM
     bytes_out: int = 0
     events: int = 0
     dropped: int = 0
@@ -91,9 +112,8 @@ class Record:
         return None if self.first_byte_at is None else self.first_byte_at - self.started
 
 
-REFUSED = ""  # Record.source of a request the proxy answered itself, refusing it
 # A client served from a generation another request started: a follow, counted and shown.
-FOLLOWER_SOURCES = frozenset({"followed", "resumed", "replayed"})
+FOLLOWER_SOURCES = frozenset({Source.FOLLOWED, Source.RESUMED, Source.REPLAYED})
 # Where providers put their own request id: OpenAI (and most) x-request-id, Anthropic
 # request-id.
 UPSTREAM_ID_HEADERS = (b"x-request-id", b"request-id")

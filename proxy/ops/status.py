@@ -33,9 +33,14 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, Response
 
 from proxy import __version__
-from proxy.ops.logs import FOLLOWER_SOURCES, Record
+from proxy.ops.logs import FOLLOWER_SOURCES, Outcome, Record, Source
 from proxy.ops.statuspage import PAGE, PAGE_HEADERS
 
+# Outcomes that say nothing of the upstream's health: the proxy's own refusals, clients that
+# left, fences and shutdowns.
+_NOT_THE_UPSTREAMS = frozenset(
+    {Outcome.REJECTED, Outcome.CLIENT_GONE, Outcome.SUPERSEDED, Outcome.SHUTDOWN}
+)
 RECENT = 50  # supersedes kept for the page
 TTFB_WINDOW = 50  # an upstream's "recent" time to first byte: its last this many requests
 # While streams are in flight their ages and event counts change continuously: a snapshot
@@ -188,12 +193,12 @@ class StatusBoard:
         if record.upstream == "-":
             return  # rejected before routing
         health = self.upstreams.setdefault(record.upstream, UpstreamHealth())
-        if record.outcome in ("rejected", "client_gone", "superseded", "shutdown"):
+        if record.outcome in _NOT_THE_UPSTREAMS:
             return  # nothing learnt about the upstream's health
         health.requests += 1
         if record.ttfb is not None:
             health.ttfb_ms.append(record.ttfb * 1000)
-        failed = record.outcome == "upstream_error" or record.status >= 500
+        failed = record.outcome == Outcome.UPSTREAM_ERROR or record.status >= 500
         health.last_ok = not failed
         if failed:
             health.errors += 1
@@ -215,7 +220,7 @@ class StatusBoard:
             r = relay.record
             if r.finished_at is not None:
                 continue
-            group: object = (r.turn, r.attempt) if r.turn and r.source != "beside" else id(r)
+            group: object = (r.turn, r.attempt) if r.turn and r.source != Source.BESIDE else id(r)
             row = rows.get(group)
             if row is None:
                 within = healthy_within.get(r.upstream)

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from proxy.config.schema import TracingConfig
-from proxy.ops.logs import Record
+from proxy.ops.logs import Outcome, Record
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -178,7 +178,7 @@ class Tracer:
         if record.superseded_by is not None:
             attributes["streamfence.superseded_by"] = record.superseded_by
         span.set_attributes(attributes)
-        if record.outcome in ("upstream_error", "shutdown"):
+        if record.outcome in (Outcome.UPSTREAM_ERROR, Outcome.SHUTDOWN):
             span.set_status(self.trace.Status(self.trace.StatusCode.ERROR, record.error))
         span.end()
 

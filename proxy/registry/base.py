@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 if TYPE_CHECKING:
     from proxy.registry.genlog.log import GenerationLog
@@ -59,6 +59,29 @@ class Lease:
         return f"Lease(key={self.key[:12]}, token={self.token}, attempt={self.attempt}, {state})"
 
 
+class Follow(NamedTuple):
+    """`claim_or_follow`'s answer: follow generation `token` of another process."""
+
+    token: int
+    attempt: int
+    events: int  # published so far
+    reader_id: str = ""  # registered as a reader of its log under this id, by the claim
+    quiet: float = 0.0  # seconds since its last sign of life (proxy.wire.health), Redis's clock
+
+
+class Beside:
+    """`claim_or_follow`'s answer: go beside the turn's generation in another process (the
+    same body in the other streaming mode, healthy): neither fence it nor be fenced by it."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "BESIDE"
+
+
+BESIDE: Final = Beside()
+
+
 class Registry(ABC):
     """Hands out fencing tokens per turn key and fences older holders."""
 
@@ -80,6 +103,22 @@ class Registry(ABC):
         """`claim`, in the caller's step, for a backend that needs no I/O for it; None
         from one that does (the caller then awaits `claim`)."""
         return None
+
+    async def claim_or_follow(
+        self, key: str, body_hash: str, streaming: bool, healthy_within: float, join: bool
+    ) -> Lease | Follow | Beside:
+        """`claim`, or, where generations of other processes are published (`generation_log`),
+        follow the turn's generation there (`Follow`) or go beside it (`BESIDE`), decided in
+        one atomic step by the follow rule (CONTRACT section 3). Without other processes
+        there is nothing to follow: a claim."""
+        return await self.claim(key)
+
+    def watch(self, lease: Lease) -> None:  # noqa: B027 - nothing to watch in one process
+        """Fence `lease`, a generation of another process followed here, as soon as a newer
+        claim of its turn is heard."""
+
+    def unwatch(self, lease: Lease) -> None:  # noqa: B027
+        """Stop watching `lease` (its follower here ended)."""
 
     @abstractmethod
     async def release(self, lease: Lease) -> None:

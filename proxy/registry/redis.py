@@ -26,14 +26,14 @@ import logging
 import time
 import uuid
 from collections.abc import Coroutine
-from typing import Any, NamedTuple
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
 from proxy.config.schema import RegistryConfig
 from proxy.errors import RegistryUnavailable
-from proxy.registry.base import Lease, Registry
+from proxy.registry.base import BESIDE, Beside, Follow, Lease, Registry
 from proxy.registry.book import Book, ref
 from proxy.registry.genlog.log import CHECK_EVERY, DEAD_AFTER, READER_TTL, GenerationLog
 from proxy.registry.handshake import Handshake
@@ -53,16 +53,6 @@ from proxy.registry.scripts import CLAIM, CLAIM_OR_FOLLOW, REFRESH, RELEASE
 log = logging.getLogger("streamfence")
 
 WARN_EVERY = 5.0  # seconds between "forwarding unfenced" warnings while Redis is down
-
-
-class Follow(NamedTuple):
-    """`claim_or_follow`'s answer: follow generation `token` of another process."""
-
-    token: int
-    attempt: int
-    events: int  # published so far
-    reader_id: str = ""  # registered as a reader of its log under this id, by the claim
-    quiet: float = 0.0  # seconds since its last sign of life (proxy.wire.health), Redis's clock
 
 
 class RedisRegistry(Registry):
@@ -183,16 +173,16 @@ class RedisRegistry(Registry):
 
     async def claim_or_follow(
         self, key: str, body_hash: str, streaming: bool, healthy_within: float, join: bool
-    ) -> Lease | Follow | str:
+    ) -> Lease | Follow | Beside:
         """One atomic step (scripts.CLAIM_OR_FOLLOW): follow the turn's generation in
-        another process (`Follow`), go beside it ("beside"), or claim a new one, whose
+        another process (`Follow`), go beside it (`BESIDE`), or claim a new one, whose
         generation log is created with the claim (`Lease`)."""
         log = self.generation_log()
         args: list[str | int] = [self.ttl_ms, self.channel, key, log.prefix(key), body_hash]
         args += ["1" if streaming else "0", int(healthy_within * 1000), "1" if join else "0"]
         reader_id = uuid.uuid4().hex
         args += [log.ttl_ms, log.maxlen, int(DEAD_AFTER * 1000), reader_id, int(READER_TTL * 1000)]
-        answer: Lease | Follow | str = await self._claim_with(key, self._claim_or_follow, args)
+        answer: Lease | Follow | Beside = await self._claim_with(key, self._claim_or_follow, args)
         if isinstance(answer, Follow):
             return answer._replace(reader_id=reader_id)
         return answer
@@ -212,7 +202,7 @@ class RedisRegistry(Registry):
             quiet = int(reply[4]) / 1000 if len(reply) > 4 else 0.0
             return Follow(int(reply[1]), int(reply[2]), int(reply[3]), quiet=quiet)
         if reply[0] == b"beside":
-            return "beside"
+            return BESIDE
         token_raw, attempt_raw, prev_raw = reply
         lease = Lease(key, int(token_raw), int(attempt_raw))
         own = self._book.claimed(lease, int(prev_raw))  # the replaced one, if ours: fenced

@@ -25,15 +25,16 @@ from starlette.types import Receive as ASGIReceive
 from starlette.types import Scope
 from starlette.types import Send as ASGISend
 
+from proxy import registry as registries
 from proxy.config import egress
 from proxy.config.schema import Config
 from proxy.ops import status
 from proxy.ops.metrics import scrape_authorized
-from proxy.registry import MemoryRegistry, Registry
+from proxy.registry import Registry
 from proxy.runtime import Runtime
 from proxy.server import shutdown
 from proxy.server.endpoint import ProxyEndpoint
-from proxy.turn.rule import Generations
+from proxy.turn.table import Generations
 from proxy.upstream.client import create_client, ssl_context_for
 from proxy.upstream.routing import RESERVED_PREFIX
 from proxy.websocket.session import WebSocketEndpoint
@@ -48,7 +49,7 @@ def create_app(
     transport: httpx.AsyncBaseTransport | None = None,
     registry: Registry | None = None,
 ) -> Starlette:
-    runtime = Runtime(config, registry or _make_registry(config))
+    runtime = Runtime(config, registry or registries.create(config.registry))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -175,11 +176,3 @@ async def _warn_if_unreachable(registry: Registry, config: Config) -> None:
         else "requests are forwarded unfenced until it does (fail_open)"
     )
     startup_log.warning("the turn registry at %s does not answer: %s", where, then)
-
-
-def _make_registry(config: Config) -> Registry:
-    if config.registry.backend == "redis":
-        from proxy.registry.redis import RedisRegistry  # noqa: PLC0415 - optional backend
-
-        return RedisRegistry(config.registry)
-    return MemoryRegistry()

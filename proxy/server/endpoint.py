@@ -6,22 +6,19 @@ here, in one place, in the caller's dialect.
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any
 
-from proxy.config.schema import UpstreamConfig
-from proxy.errors import BodyTooLarge, NoRoute, StaleRetry, StreamfenceError, Unauthorized
+from proxy.asgi import Receive, Send
+from proxy.config.schema import OnRetry, UpstreamConfig
+from proxy.errors import BodyTooLarge, NoRoute, StreamfenceError, Unauthorized
 from proxy.ops import logs
-from proxy.ops.logs import Record
-from proxy.registry import Lease
+from proxy.ops.logs import Outcome, Record, Source
 from proxy.runtime import Runtime
-from proxy.turn import remote
-from proxy.turn import rule as follow
-from proxy.turn.generation import Generation
+from proxy.turn.generation import Ask, Generation
 from proxy.turn.relay import Subscriber
-from proxy.turn.rule import Ask, Attempt, Decision
-from proxy.turn.writes import Exchange, Receive, Send, error_response_parts
+from proxy.turn.table import NothingLeft
+from proxy.turn.writes import Exchange, error_response_parts
 from proxy.upstream import routing
 from proxy.upstream.client import build_request
 from proxy.upstream.routing import RESERVED_PREFIX, request_headers
@@ -33,10 +30,6 @@ LAST_EVENT_ID = b"last-event-id"
 
 class ClientLeft(Exception):
     """The client disconnected while the proxy was still reading its request."""
-
-
-class NothingLeft(Exception):
-    """A resume from the last event of a completed generation: nothing more to send."""
 
 
 class ProxyEndpoint:
@@ -59,19 +52,19 @@ class ProxyEndpoint:
         try:
             generation, exchange = await self._accept(path, query, headers, receive, record, own)
         except ClientLeft:
-            record.outcome, record.source = "client_gone", logs.REFUSED
+            record.outcome, record.source = Outcome.CLIENT_GONE, Source.REFUSED
             rt.finished(record, None)
             return
         except NothingLeft:
             # 204 also tells a browser's EventSource to stop reconnecting.
-            record.outcome, record.status, record.source = "completed", 204, "resumed"
+            record.outcome, record.status, record.source = Outcome.COMPLETED, 204, Source.RESUMED
             await send({"type": "http.response.start", "status": 204, "headers": own})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             rt.finished(record, None)
             return
         except StreamfenceError as exc:  # refused by the proxy itself: no upstream served it
-            record.outcome, record.status, record.error = "rejected", exc.status, exc.code
-            record.source = logs.REFUSED
+            record.outcome, record.status, record.error = Outcome.REJECTED, exc.status, exc.code
+            record.source = Source.REFUSED
             start, body = error_response_parts(exc, record.dialect, own)
             await send(start)
             await send(body)
@@ -127,44 +120,22 @@ class ProxyEndpoint:
             ignore_fields=rt.config.turns.ignore_fields,
             query_turn_id=query_turn,
         )
-        short = "" if turn is None else turn.short
-        record.turn = short
+        record.turn = "" if turn is None else turn.short
         last_event_id = next((v for n, v in headers if n == LAST_EVENT_ID), None)
-        decision = self._decide(up, turn, last_event_id)
-        if decision.refused:
-            rt.metrics.follow_refused.labels(up.name, decision.refused).inc()
 
-        def served(how: str, cursor: int = 0) -> Exchange:
-            record.source = how
-            return Exchange(record.dialect, short, how, cursor, own, rt.config.server.write_timeout)
+        def ask_for(keyed: bool, retired: frozenset[str]) -> Ask:
+            return self._ask(up, route, record, turn, headers, body, keyed=keyed, retired=retired)
 
-        if decision.action == follow.FOLLOW:
-            assert decision.generation is not None
-            return decision.generation, served(decision.how, decision.cursor)
-        if decision.action == follow.NOTHING_LEFT:
-            raise NothingLeft
-        if decision.action == follow.STALE:
-            raise StaleRetry(decision.replaced_by)
-        beside = decision.action == follow.BESIDE
-        keyed = turn is not None and not beside
-        retired = _retired(decision.generation)
-        ask = self._ask(up, route, record, turn, headers, body, keyed=keyed, retired=retired)
         assert rt.generations is not None
-        lease = None
-        publish = ask.followable and ask.body_hash is not None and rt.generations.log is not None
-        if decision.action == follow.NEW and publish:
-            answer = await self._claim_or_follow(up, ask, last_event_id)
-            if isinstance(answer, tuple):  # the generation of another process, followed
-                generation, how, cursor = answer
-                return generation, served(how, cursor)
-            if answer is None:  # beside it: fences nobody, fenced by nobody
-                decision = Decision(follow.BESIDE, how="beside")
-                ask = self._ask(up, route, record, turn, headers, body, keyed=False, trace=False)
-            else:
-                lease = answer
-        generation = rt.generations.start(ask, lease)
-        rt.metrics.child(rt.metrics.generations, up.name).inc()
-        return generation, served(decision.how)
+        placed = await rt.generations.place(turn, last_event_id, rt.policies[up.name], ask_for)
+        if placed.refused:
+            rt.metrics.follow_refused.labels(up.name, placed.refused).inc()
+        if placed.started:
+            rt.metrics.child(rt.metrics.generations, up.name).inc()
+        record.source = placed.how
+        timeout = rt.config.server.write_timeout
+        exchange = Exchange(record.dialect, record.turn, placed.how, placed.cursor, own, timeout)
+        return placed.generation, exchange
 
     def _ask(
         self,
@@ -176,8 +147,7 @@ class ProxyEndpoint:
         body: bytes,
         *,
         keyed: bool,
-        trace: bool = True,
-        retired: frozenset[str] = frozenset(),
+        retired: frozenset[str],
     ) -> Ask:
         stamp = keyed and (
             up.event_ids == "always" or (up.event_ids == "auto" and record.dialect == dialects.SSE)
@@ -187,9 +157,9 @@ class ProxyEndpoint:
         out_headers = request_headers(headers, drop)
         if not any(n == REQUEST_ID_HEADER for n, _ in out_headers):
             out_headers.append((REQUEST_ID_HEADER, record.request_id.encode()))
-        if trace and self.rt.tracer is not None:  # the request's span; upstream gets its
+        if self.rt.tracer is not None:  # the request's span; upstream gets its
             out_headers = self.rt.tracer.start(record, headers, out_headers)  # traceparent
-        followable = keyed and up.on_retry != "supersede"
+        followable = keyed and up.on_retry != OnRetry.SUPERSEDE
         return Ask(
             request=build_request(record.method, route.url, out_headers, body, up),
             upstream=up.name,
@@ -204,48 +174,6 @@ class ProxyEndpoint:
             retired=retired,
             dialect=record.dialect,
         )
-
-    async def _claim_or_follow(
-        self, up: UpstreamConfig, ask: Ask, last_event_id: bytes | None
-    ) -> Lease | tuple[Generation, str, int] | None:
-        """No generation of the turn here: claim it, or follow (or go beside) its
-        generation in another process, in one step in Redis (`proxy.turn.remote`). Returns the
-        lease, the followed generation with how and where it is followed, or None: beside."""
-        from proxy.registry.redis import Follow, RedisRegistry  # noqa: PLC0415
-
-        generations, registry = self.rt.generations, self.rt.registry
-        assert generations is not None and isinstance(registry, RedisRegistry)
-        assert ask.key is not None and ask.body_hash is not None
-        policy = self.rt.policies[up.name]
-        answer = await registry.claim_or_follow(
-            ask.key, ask.body_hash, ask.streaming, policy.healthy_within, policy.on_retry == "join"
-        )
-        if isinstance(answer, Lease):
-            return answer
-        if not isinstance(answer, Follow):
-            return None
-        cursor = remote.cursor_after(answer, last_event_id)
-        generation = generations.follow_remote(ask, answer)
-        return generation, "followed" if cursor is None else "resumed", cursor or 0
-
-    def _decide(
-        self, up: UpstreamConfig, turn: turns.TurnKey | None, last_event_id: bytes | None
-    ) -> Decision:
-        generations = self.rt.generations
-        assert generations is not None
-        if turn is None:
-            return Decision(follow.NEW)
-        attempt = Attempt(
-            turn.body_fingerprint, turn.streaming, turn.source == "header", last_event_id
-        )
-        return generations.decide(turn.key, attempt, self.rt.policies[up.name], time.monotonic())
-
-
-def _retired(replaced: Generation | None) -> frozenset[str]:
-    """What a new generation replaces: the bodies a stale retry would repeat."""
-    if replaced is None or replaced.done or replaced.ask.body_hash is None:
-        return frozenset()
-    return replaced.ask.retired | {replaced.ask.body_hash}
 
 
 def _request_id(headers: list[tuple[bytes, bytes]]) -> str:

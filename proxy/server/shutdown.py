@@ -22,9 +22,10 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from types import FrameType
-from typing import Any, Protocol
+from typing import Any
 
 from proxy.errors import ShuttingDown
+from proxy.runtime import Abortable
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Seconds between our deadline and uvicorn cancelling whatever still runs.
@@ -58,10 +59,6 @@ def ended_line(seconds: float, in_flight: int, ended: int) -> str:
     if in_flight:
         return f"stopped after {seconds:.1f} s: every request in flight finished"
     return f"stopped after {seconds:.1f} s"
-
-
-class Abortable(Protocol):
-    def abort(self, error: ShuttingDown) -> None: ...
 
 
 def uvicorn_timeout(grace: float) -> int:

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import httpx
@@ -35,9 +36,28 @@ from proxy.wire.sse import event_id, resumes_after, with_id
 
 if TYPE_CHECKING:
     from proxy.registry.genlog.log import GenerationLog, LogWriter
-    from proxy.turn.rule import Ask
 
 log = logging.getLogger("streamfence")
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What a generation asks upstream, and how it may be shared."""
+
+    request: httpx.Request
+    upstream: str  # the upstream's name
+    key: str | None  # the turn key; None: never fenced, never fences
+    body_hash: str | None  # what "an identical request" means
+    streaming: bool  # the request's streaming mode
+    max_event_bytes: int
+    buffer_bytes: int  # per generation; over it nobody may follow any more
+    stamp_ids: bool  # add `id: <token>-<n>` to every SSE event (for Last-Event-ID)
+    followable: bool  # kept for followers (False: keyless, beside, on_retry = supersede)
+    retain_for: float = 0.0  # seconds a completed generation stays replayable (replay_window)
+    dialect: str = "sse"  # the caller's (proxy.wire.dialects): which events are keep-alives
+    # The bodies of the turn that this generation (or one before it) replaced: a retry of
+    # one of them must not replace it in turn.
+    retired: frozenset[str] = frozenset()
 
 
 class Watcher(Protocol):

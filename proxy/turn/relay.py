@@ -21,20 +21,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from proxy.asgi import Message, Receive, Send
 from proxy.errors import StreamfenceError, Superseded, UpstreamError, kept
-from proxy.ops.logs import Record
+from proxy.ops.logs import Outcome, Record, Source
 from proxy.registry import Lease
 from proxy.tasks import run_now
 from proxy.turn.generation import Generation
-from proxy.turn.writes import (
-    Exchange,
-    Message,
-    Receive,
-    Send,
-    WriteGuard,
-    cut,
-    error_response_parts,
-)
+from proxy.turn.writes import Exchange, WriteGuard, cut, error_response_parts
 from proxy.upstream.routing import response_headers
 from proxy.wire import dialects
 
@@ -219,7 +212,7 @@ class Subscriber:
             raise gen.headers_error()
         self.record.status = gen.status
         self.record.attempt = 0 if gen.lease is None else gen.lease.attempt
-        if self.ex.source in ("upstream", "beside"):
+        if self.ex.source in (Source.UPSTREAM, Source.BESIDE):
             self.record.forwarded_at = gen.forwarded_at
             self.record.upstream_headers_at = gen.headers_at
         if not gen.is_sse:
@@ -323,7 +316,7 @@ class Subscriber:
 
     def _note_fence_latency(self) -> None:
         lease, closed = self.gen.lease, self.gen.closed_at
-        if self.ex.source == "upstream" and lease is not None and lease.superseded_at:
+        if self.ex.source == Source.UPSTREAM and lease is not None and lease.superseded_at:
             if closed is not None:
                 self.record.fence_latency = max(0.0, closed - lease.superseded_at)
 
@@ -345,23 +338,23 @@ class Subscriber:
 
     def _finish(self) -> None:
         record = self.record
-        if record.outcome == "pending":
+        if record.outcome == Outcome.PENDING:
             record.outcome = self._outcome()
         record.finished_at = time.perf_counter()
         # The error once per upstream failure: its generation's first client reports it.
-        own = self.cause is None and self.ex.source in ("upstream", "beside")
+        own = self.cause is None and self.ex.source in (Source.UPSTREAM, Source.BESIDE)
         self.on_finish(record, self.error if own else None)
 
-    def _outcome(self) -> str:
+    def _outcome(self) -> Outcome:
         if self.cause == WRITE_TIMEOUT:  # even after the last event: the client took nothing
             self.record.error = "client_write_timeout"
-            return "client_gone"
+            return Outcome.CLIENT_GONE
         if self.delivered:
-            return "completed"
+            return Outcome.COMPLETED
         if self.cause == SUPERSEDED:
-            return "superseded"
+            return Outcome.SUPERSEDED
         if self.cause == SHUTDOWN:
-            return "shutdown"
+            return Outcome.SHUTDOWN
         if self.cause == CLIENT_GONE or self.error is None:
-            return "client_gone"
-        return "upstream_error"
+            return Outcome.CLIENT_GONE
+        return Outcome.UPSTREAM_ERROR

@@ -2,7 +2,7 @@
 
 With the Redis registry every followable generation publishes its events to the generation
 log (`proxy.registry.genlog.log`). A request whose turn has no generation in this process is
-claimed with `RedisRegistry.claim_or_follow`: one script that applies the rule of a local
+claimed with `Registry.claim_or_follow`: one script that applies the rule of a local
 follower (`proxy.turn.rule.decide`) to the turn's holder in Redis (identical body, same
 streaming mode, healthy -> follow; other mode, healthy -> beside) or else claims, creating
 the new generation's log in the same step, so that a twin on another process a moment later
@@ -11,7 +11,7 @@ like any other to its
 subscribers (a buffer, cursors, fencing; later identical requests in this process follow
 it locally), whose reader reads the log instead of an upstream:
 
-- fenced when this process hears a newer claim of the turn (`RedisRegistry.watch`), or when
+- fenced when this process hears a newer claim of the turn (`Registry.watch`), or when
   the log says the writer was superseded, whichever comes first;
 - its readers are counted by the writer, which keeps the upstream open while any process
   still reads it (`Generation.detach`);
@@ -30,17 +30,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from proxy.errors import GenerationLost, UpstreamError
-from proxy.registry import Lease
+from proxy.registry import Follow, Lease, Registry
 from proxy.turn.buffer import Budget
-from proxy.turn.generation import Generation
-from proxy.turn.rule import Ask
+from proxy.turn.generation import Ask, Generation
 from proxy.upstream import client as upstream
 from proxy.upstream.client import UpstreamClient
 from proxy.wire.sse import resumes_after
 
 if TYPE_CHECKING:
     from proxy.registry.genlog.log import GenerationLog, LogReader
-    from proxy.registry.redis import Follow, RedisRegistry
 
 
 def cursor_after(follow: Follow, last_event_id: bytes | None) -> int | None:
@@ -54,7 +52,7 @@ class RemoteGeneration(Generation):
         self,
         ask: Ask,
         current: Follow,
-        registry: RedisRegistry,
+        registry: Registry,
         client: UpstreamClient,
         budget: Budget,
         on_end: Callable[[Generation], None] = lambda g: None,
@@ -63,7 +61,9 @@ class RemoteGeneration(Generation):
         # reader task starts only once this constructor has returned.)
         super().__init__(ask, client, None, budget, on_end)
         self._current = current
-        self._source: GenerationLog = registry.generation_log()
+        source = registry.generation_log()
+        assert source is not None, "a generation of another process is read from its log"
+        self._source: GenerationLog = source
         self._watcher = registry
         self._reader: LogReader | None = None
         # The writer's last sign of life as the claim saw it, on this process's clock.

@@ -9,16 +9,14 @@ through these.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from proxy.asgi import Message, Send
 from proxy.errors import StreamfenceError
+from proxy.ops.logs import Source
 from proxy.wire import dialects
 
-Message = dict[str, Any]
-Send = Callable[[Message], Awaitable[None]]
-Receive = Callable[[], Awaitable[Message]]
 # A scope extension (`scope["extensions"][CUT]`, called with the server's own `send`) that
 # ends a response whose body has begun without its last chunk: the connection closes after
 # what was written, as a server cut off mid-body would (proxy.server.eager provides it). ASGI has no
@@ -33,7 +31,7 @@ class Exchange:
 
     dialect: str
     turn_short: str  # "" when the request has no turn key
-    source: str  # upstream | followed | resumed | replayed | beside
+    source: Source  # how it was served (x-streamfence-source)
     cursor: int  # start after this event number of the generation
     extra_headers: list[tuple[bytes, bytes]]
     write_timeout: float = 0.0  # seconds one client write may block; 0: no limit

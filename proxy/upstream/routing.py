@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from proxy.asgi import Headers
 from proxy.config.schema import UpstreamConfig
 from proxy.errors import BadRequest, NoRoute
 from proxy.wire import codings
@@ -33,8 +34,6 @@ HOP_BY_HOP = frozenset(
 )
 # Set by the HTTP client for the upstream hop itself.
 _REQUEST_OWN = frozenset({b"host", b"content-length", b"expect"})
-
-Headers = list[tuple[bytes, bytes]]
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from proxy.config.schema import OnRetry
 from proxy.errors import RegistryUnavailable, StreamfenceError, Superseded
-from proxy.ops.logs import Record
+from proxy.ops.logs import Outcome, Record, Source
 from proxy.registry import Lease
 from proxy.wire import dialects, health, turns
 from proxy.wire.sse import parse_fields
@@ -130,7 +131,7 @@ class ResponsesFence:
         except RegistryUnavailable as exc:
             attempt.record.error = exc.code
             await self.session.send_client(self._error_frame(attempt, exc))
-            self._finish(attempt, "rejected", exc)
+            self._finish(attempt, Outcome.REJECTED, exc)
             raise FenceClose(1013, "streamfence: the turn registry is unavailable") from exc
         # Only now: the attempt it supersedes (on this socket too) was fenced without it.
         self.lanes.setdefault(attempt.lane, deque()).append(attempt)
@@ -159,7 +160,7 @@ class ResponsesFence:
         if running is not None and self._beside(running, attempt):
             # Beside, not following: a follower's later previous_response_id would name a
             # response its own upstream socket never saw (store=false: not found there).
-            attempt.record.source = "beside"
+            attempt.record.source = Source.BESIDE
             return  # forwarded beside the running twin: fences nobody, fenced by nobody
         attempt.lease = lease = await self.rt.registry.claim(turn.key)
         attempt.record.attempt = lease.attempt
@@ -167,16 +168,16 @@ class ResponsesFence:
         lease.on_superseded(lambda: self._superseded(attempt))
 
     def _beside(self, running: Attempt, attempt: Attempt) -> bool:
-        if self.up.on_retry == "supersede" or running.body_fp != attempt.body_fp:
+        if self.up.on_retry == OnRetry.SUPERSEDE or running.body_fp != attempt.body_fp:
             return False
-        if self.up.on_retry == "join":
+        if self.up.on_retry == OnRetry.JOIN:
             return True
         return health.healthy(running.alive_at, time.monotonic(), self.up.healthy_within)
 
     def forward_failed(self) -> None:
         for attempt in self._live():
             if not attempt.done:
-                self._finish(attempt, "upstream_error")
+                self._finish(attempt, Outcome.UPSTREAM_ERROR)
 
     # -- upstream events -----------------------------------------------------------------
 
@@ -215,7 +216,7 @@ class ResponsesFence:
         if attempt.fenced:
             attempt.record.dropped += 1
             if terminal:
-                self._finish(attempt, "superseded")
+                self._finish(attempt, Outcome.SUPERSEDED)
             return False
         self._pending, self._terminal = attempt, terminal
         attempt.last_event = data
@@ -230,21 +231,21 @@ class ResponsesFence:
         if record.first_byte_at is None:
             record.first_byte_at = time.perf_counter()
         if self._terminal:
-            self._finish(attempt, "completed")
+            self._finish(attempt, Outcome.COMPLETED)
 
     def upstream_lost(self) -> None:
         for attempt in self._live():
-            self._finish(attempt, "superseded" if attempt.fenced else "upstream_error")
+            self._finish(attempt, Outcome.SUPERSEDED if attempt.fenced else Outcome.UPSTREAM_ERROR)
 
     def client_write_timeout(self) -> None:
         for attempt in self._live():
             attempt.record.error = "client_write_timeout"
-            self._finish(attempt, "client_gone")
+            self._finish(attempt, Outcome.CLIENT_GONE)
 
     def end_all(self) -> None:
         """The session is over: every attempt still open ends (its client left)."""
         for attempt in self._live():
-            self._finish(attempt, "superseded" if attempt.fenced else "client_gone")
+            self._finish(attempt, Outcome.SUPERSEDED if attempt.fenced else Outcome.CLIENT_GONE)
 
     # -- fencing -------------------------------------------------------------------------
 
@@ -285,7 +286,11 @@ class ResponsesFence:
             await self.session.send_client(frame)
         finally:
             if ended:
-                outcome = "superseded" if attempt.lease and attempt.lease.superseded else "shutdown"
+                outcome = (
+                    Outcome.SUPERSEDED
+                    if attempt.lease and attempt.lease.superseded
+                    else Outcome.SHUTDOWN
+                )
                 self._finish(attempt, outcome)
 
     def _error_frame(self, attempt: Attempt, error: StreamfenceError) -> str:
@@ -309,7 +314,7 @@ class ResponsesFence:
                 del self.lanes[attempt.lane]
 
     def _finish(
-        self, attempt: Attempt, outcome: str, error: StreamfenceError | None = None
+        self, attempt: Attempt, outcome: Outcome, error: StreamfenceError | None = None
     ) -> None:
         if attempt.done:
             return

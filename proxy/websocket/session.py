@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import ssl
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -25,6 +25,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.frames import EXTERNAL_CLOSE_CODES
 
+from proxy.asgi import Message, Receive, Send
 from proxy.errors import StreamfenceError, UpgradeUnavailable
 from proxy.runtime import Runtime
 from proxy.upstream.client import ssl_context_for
@@ -39,10 +40,6 @@ from proxy.websocket.upgrade import (
 )
 from proxy.wire import dialects
 
-Message = dict[str, Any]
-Send = Callable[[Message], Awaitable[None]]
-Receive = Callable[[], Awaitable[Message]]
-Headers = list[tuple[bytes, bytes]]
 Data = str | bytes
 Task = Callable[..., Coroutine[Any, Any, None]]
 

@@ -16,21 +16,17 @@ from __future__ import annotations
 import logging
 import os
 import ssl
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidHandshake, InvalidStatus, InvalidURI
 
+from proxy.asgi import Headers, Message, Send
 from proxy.config import egress
 from proxy.errors import NoRoute, StreamfenceError, Unauthorized, UpgradeUnavailable
 from proxy.upstream.routing import RESERVED_PREFIX, Route, request_headers
 from proxy.wire import dialects, turns
-
-Message = dict[str, Any]
-Send = Callable[[Message], Awaitable[None]]
-Headers = list[tuple[bytes, bytes]]
 
 log = logging.getLogger("streamfence")
 

@@ -16,6 +16,7 @@ from urllib.parse import parse_qsl, unquote_plus
 
 import orjson
 
+from proxy.asgi import Headers
 from proxy.errors import BadRequest
 
 MAX_TURN_ID_BYTES = 256
@@ -23,8 +24,6 @@ OPT_OUT = b"none"
 CREDENTIAL_HEADERS = (b"authorization", b"x-api-key", b"api-key", b"x-goog-api-key")
 # Gemini clients may put the key in the query string instead of a header.
 CREDENTIAL_QUERY = "key"
-
-Headers = Iterable[tuple[bytes, bytes]]
 
 
 @dataclass(frozen=True, slots=True)
