@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from proxy.config.schema import OnRetry
 from proxy.errors import RegistryUnavailable, StreamfenceError, Superseded
 from proxy.ops.logs import Outcome, Record, Source
 from proxy.registry import Lease
+from proxy.turn import rule
 from proxy.wire import dialects, health, turns
 from proxy.wire.sse import parse_fields
 
@@ -168,11 +168,11 @@ class ResponsesFence:
         lease.on_superseded(lambda: self._superseded(attempt))
 
     def _beside(self, running: Attempt, attempt: Attempt) -> bool:
-        if self.up.on_retry == OnRetry.SUPERSEDE or running.body_fp != attempt.body_fp:
-            return False
-        if self.up.on_retry == OnRetry.JOIN:
-            return True
-        return health.healthy(running.alive_at, time.monotonic(), self.up.healthy_within)
+        """The follow rule (turn/rule.retry), on the clock HTTP generations are judged by; a
+        socket cannot follow, so where HTTP would follow, the twin goes beside."""
+        identical = running.body_fp == attempt.body_fp
+        healthy = health.healthy(running.alive_at, time.monotonic(), self.up.healthy_within)
+        return rule.retry(identical, True, healthy, self.up.on_retry) is rule.Action.FOLLOW
 
     def forward_failed(self) -> None:
         for attempt in self._live():
