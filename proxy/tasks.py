@@ -13,14 +13,29 @@ wait does the rest become a task, which the caller then shields as before.
 from __future__ import annotations
 
 import asyncio
+import asyncio.tasks
 import contextvars
 import functools
 import types
-from asyncio.tasks import _enter_task, _leave_task
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
 _background: set[asyncio.Task[None]] = set()
+
+# asyncio's own bookkeeping of the current task (private: Python 3.11-3.13 have both), which a
+# first step taken outside its task needs. Without them nothing here breaks: `start_eagerly`
+# is simply not used (proxy/server/hooks.py checks, and serve falls back to uvicorn's own).
+_enter_task: Callable[[asyncio.AbstractEventLoop, asyncio.Task[Any]], None] | None = getattr(
+    asyncio.tasks, "_enter_task", None
+)
+_leave_task: Callable[[asyncio.AbstractEventLoop, asyncio.Task[Any]], None] | None = getattr(
+    asyncio.tasks, "_leave_task", None
+)
+
+
+def eager_steps() -> bool:
+    """asyncio's bookkeeping that `start_eagerly` needs is there (proxy/server/hooks.py)."""
+    return _enter_task is not None and _leave_task is not None
 
 
 def spawn(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
@@ -142,6 +157,7 @@ class _Started:
         if self.taken:
             return
         self.taken = True
+        assert _enter_task is not None and _leave_task is not None  # proxy/server/hooks.py
         _enter_task(loop, task)
         try:
             self.waiting = self.coro.send(None)

@@ -70,9 +70,12 @@ def cut(send: Callable[..., Any]) -> None:
     cycle = getattr(send, "__self__", None)
     if not isinstance(cycle, RequestResponseCycle):
         return
-    if cycle.response_complete or cycle.disconnected:
+    try:  # uvicorn's cycle, private: a uvicorn without these leaves the response unfinished
+        if cycle.response_complete or cycle.disconnected:
+            return
+        cycle.disconnected = True
+        cycle.keep_alive = False
+        cycle.message_event.set()  # a receive() waiting now answers http.disconnect
+        cycle.transport.close()  # after the buffered writes, FIN: never a terminator
+    except AttributeError:
         return
-    cycle.disconnected = True
-    cycle.keep_alive = False
-    cycle.message_event.set()  # a receive() waiting now answers http.disconnect
-    cycle.transport.close()  # after the buffered writes, FIN: never a terminator

@@ -27,6 +27,8 @@ from typing import Any
 
 import uvloop
 
+from proxy.server import hooks
+
 log = logging.getLogger("streamfence")
 
 # Out of descriptors or memory: the socket stays readable and accepting again at once would
@@ -157,6 +159,6 @@ class Loop(uvloop.Loop):
     ) -> Any:
         sock = kwargs.get("sock")
         plain = not args and kwargs.get("ssl") is None and set(kwargs) <= {"sock", "ssl", "backlog"}
-        if sock is None or not plain:
+        if sock is None or not plain or hooks.accept_missing() is not None:
             return await super().create_server(protocol_factory, *args, **kwargs)
         return Listener(self, sock, protocol_factory, kwargs.get("backlog", 100))

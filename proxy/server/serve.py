@@ -25,7 +25,7 @@ from proxy import __version__
 from proxy.config import egress
 from proxy.config.schema import Config, from_dict
 from proxy.ops import logs, tracing
-from proxy.server import shutdown
+from proxy.server import hooks, shutdown
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -118,6 +118,7 @@ def startup_lines(
     if reg.backend == "redis":
         where = f" at {reg.url.split('@')[-1]} ({reg.on_unavailable} when unreachable)"
     lines.append(f"  registry: {reg.backend}{where}")
+    lines += hooks.startup_warnings()
     if not _is_loopback(s.host) and not s.access_token:
         lines.append(
             f"WARNING: {verb} {s.host}, which is not a loopback address, with no access "
@@ -140,8 +141,9 @@ def uvicorn_options(config: Config) -> dict[str, Any]:
     """How uvicorn runs the proxy, in one process or in each worker."""
     return dict(
         loop="proxy.server.listen:Loop",  # uvloop, accepting every pending connection at a wake-up
-        # httptools, each request's first step taken as soon as it is read
-        http="proxy.server.eager:Protocol",
+        # httptools, each request's first step taken as soon as it is read (where the hooks
+        # for it exist: proxy/server/hooks.py)
+        http=hooks.http_protocol(),
         ws="websockets-sansio",  # WebSocket mode (proxy/websocket/session.py)
         ws_max_size=config.server.websocket_max_message_bytes + 1,  # the app says 1009 itself
         lifespan="on",
