@@ -24,7 +24,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from proxy.config.schema import ConfigError, RegistryConfig, load
+from proxy.config.schema import ConfigError, OnRetry, RegistryConfig, load
 from proxy.registry.base import Lease
 from proxy.registry.handshake import ACK_WAIT
 from proxy.registry.redis import RedisRegistry
@@ -364,7 +364,7 @@ async def test_a_claim_whose_reply_was_lost_is_not_run_twice(
 
         async def claim(key: str) -> Any:
             if follow:
-                return await registry.claim_or_follow(key, "body", True, 5.0, False)
+                return await registry.claim_or_follow(key, "body", True, 5.0, OnRetry.ADAPTIVE)
             return await registry.claim(key)
 
         try:

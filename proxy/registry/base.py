@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 if TYPE_CHECKING:
+    from proxy.config.schema import OnRetry
     from proxy.registry.genlog.log import GenerationLog
 
 
@@ -105,7 +106,7 @@ class Registry(ABC):
         return None
 
     async def claim_or_follow(
-        self, key: str, body_hash: str, streaming: bool, healthy_within: float, join: bool
+        self, key: str, body_hash: str, streaming: bool, healthy_within: float, on_retry: OnRetry
     ) -> Lease | Follow | Beside:
         """`claim`, or, where generations of other processes are published (`generation_log`),
         follow the turn's generation there (`Follow`) or go beside it (`BESIDE`), decided in

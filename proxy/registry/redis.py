@@ -31,7 +31,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
-from proxy.config.schema import RegistryConfig
+from proxy.config.schema import OnRetry, RegistryConfig
 from proxy.errors import RegistryUnavailable
 from proxy.registry.base import BESIDE, Beside, Follow, Lease, Registry
 from proxy.registry.book import Book, ref
@@ -172,14 +172,14 @@ class RedisRegistry(Registry):
         return lease
 
     async def claim_or_follow(
-        self, key: str, body_hash: str, streaming: bool, healthy_within: float, join: bool
+        self, key: str, body_hash: str, streaming: bool, healthy_within: float, on_retry: OnRetry
     ) -> Lease | Follow | Beside:
         """One atomic step (scripts.CLAIM_OR_FOLLOW): follow the turn's generation in
         another process (`Follow`), go beside it (`BESIDE`), or claim a new one, whose
         generation log is created with the claim (`Lease`)."""
         log = self.generation_log()
         args: list[str | int] = [self.ttl_ms, self.channel, key, log.prefix(key), body_hash]
-        args += ["1" if streaming else "0", int(healthy_within * 1000), "1" if join else "0"]
+        args += ["1" if streaming else "0", int(healthy_within * 1000), str(on_retry)]
         reader_id = uuid.uuid4().hex
         args += [log.ttl_ms, log.maxlen, int(DEAD_AFTER * 1000), reader_id, int(READER_TTL * 1000)]
         answer: Lease | Follow | Beside = await self._claim_with(key, self._claim_or_follow, args)

@@ -3,7 +3,24 @@ and a release can never interleave with another process's."""
 
 from __future__ import annotations
 
+from typing import Final
+
 from proxy.wire import health
+
+# The follow rule's core in Lua (proxy/turn/rule.py `retry`, which it copies: a script cannot
+# call Python), for the claim that decides across processes. `on_retry`: adaptive, join or
+# supersede. One table of cases checks both (tests/test_rule_table.py).
+RETRY: Final = """
+local function retry(identical, same_mode, healthy, on_retry)
+  if on_retry == 'supersede' or not identical then return 'new' end
+  if not same_mode then
+    if healthy then return 'beside' end
+    return 'new'
+  end
+  if healthy or on_retry == 'join' then return 'follow' end
+  return 'new'
+end
+"""
 
 # A claim carries an id of its own (`by`), kept in the entry: redis-py sends a command again
 # after a connection error, which may come after Redis ran it (the reply lost on the way).
@@ -41,17 +58,18 @@ CLAIM = (
 
 # The claim of a followable generation (CONTRACT section 3, across processes), atomic: if
 # the turn's holder publishes a log (genlog) for an identical request, in the same streaming
-# mode, whose writer is alive and which is healthy (proxy.wire.health's rule on the log's `last`,
-# which moves on content only; or `join`), answer {'follow', token, attempt, events
-# published, ms since `last`} and claim nothing; in the other mode while healthy, {'beside'};
-# otherwise claim, and create the new generation's log in the same step, so that a twin on
-# another process a moment later finds it. The log's keys are built from the token (same
-# hash tag as the entry: the same slot).
+# mode, whose writer is alive, the follow rule (RETRY, with proxy.wire.health's rule on the
+# log's `last`, which moves on content only) answers {'follow', token, attempt, events
+# published, ms since `last`} and claims nothing, or {'beside'}; otherwise it claims, and
+# creates the new generation's log in the same step, so that a twin on another process a
+# moment later finds it. The log's keys are built from the token (same hash tag as the entry:
+# the same slot).
 # KEYS: entry, counter. ARGV: ttl ms, channel, turn key, log prefix (up to the token), body
-# hash, mode, healthy ms, join ('1'/'0'), log ttl ms, maxlen, dead-after ms, reader id (also
-# the claim id), reader ttl ms.
+# hash, mode, healthy ms, on_retry, log ttl ms, maxlen, dead-after ms, reader id (also the
+# claim id), reader ttl ms.
 CLAIM_OR_FOLLOW = (
     health.LUA
+    + RETRY
     + "local by = ARGV[12]"
     + _AGAIN
     + """
@@ -60,10 +78,11 @@ local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 if entry[1] then
   local m = redis.call('HMGET', ARGV[4] .. entry[1] .. ':meta', 'body', 'mode', 'at', 'last',
     'ended', 'next')
-  if m[1] == ARGV[5] and not m[5] and ms - tonumber(m[3]) <= tonumber(ARGV[11]) then
+  if m[1] and not m[5] and ms - tonumber(m[3]) <= tonumber(ARGV[11]) then
     local quiet = ms - tonumber(m[4])
     local alive = healthy(tonumber(m[4]), ms, tonumber(ARGV[7]))
-    if m[2] == ARGV[6] and (alive or ARGV[8] == '1') then
+    local action = retry(m[1] == ARGV[5], m[2] == ARGV[6], alive, ARGV[8])
+    if action == 'follow' then
       -- Counted as a reader from now on: the writer must not close its upstream between
       -- this answer and the follower's first read.
       local readers = ARGV[4] .. entry[1] .. ':readers'
@@ -71,7 +90,7 @@ if entry[1] then
       redis.call('PEXPIRE', readers, ARGV[9])
       return {'follow', entry[1], entry[2], m[6] or '0', quiet}
     end
-    if m[2] ~= ARGV[6] and alive then return {'beside'} end
+    if action == 'beside' then return {'beside'} end
   end
 end
 """

@@ -112,9 +112,12 @@ class Generations:
         lease, action = None, decision.action
         if action is Action.NEW and self._publishes(turn, policy):
             assert turn.body_fingerprint is not None
-            join = policy.on_retry == OnRetry.JOIN
             answer = await self.registry.claim_or_follow(
-                turn.key, turn.body_fingerprint, turn.streaming, policy.healthy_within, join
+                turn.key,
+                turn.body_fingerprint,
+                turn.streaming,
+                policy.healthy_within,
+                policy.on_retry,
             )
             if isinstance(answer, Follow):  # the turn's generation in another process
                 resume = cursor_after(answer, last_event_id)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from proxy.config.schema import OnRetry
 from proxy.errors import RegistryUnavailable, StreamfenceError, Superseded
 from proxy.ops.logs import Outcome, Record, Source
 from proxy.registry import Lease
@@ -46,6 +47,13 @@ CLOSE_UNSUPPORTED, CLOSE_POLICY = 1003, 1008
 # What may end a response, or be a keep-alive (OpenAI's `keepalive`): only such messages and
 # those that name a lane are parsed.
 _WORTH_PARSING = re.compile(r'"(?:response\.(?:completed|failed|incomplete)|error|keepalive)"')
+
+
+def twin_beside(identical: bool, healthy: bool, on_retry: OnRetry) -> bool:
+    """A response.create goes beside its running twin where an HTTP request would follow it
+    (the follow rule, proxy/turn/rule.py `retry`, on the clock HTTP generations are judged
+    by): a socket cannot follow, its session is stateful upstream."""
+    return rule.retry(identical, True, healthy, on_retry) is rule.Action.FOLLOW
 
 
 class FenceClose(Exception):
@@ -168,11 +176,9 @@ class ResponsesFence:
         lease.on_superseded(lambda: self._superseded(attempt))
 
     def _beside(self, running: Attempt, attempt: Attempt) -> bool:
-        """The follow rule (turn/rule.retry), on the clock HTTP generations are judged by; a
-        socket cannot follow, so where HTTP would follow, the twin goes beside."""
         identical = running.body_fp == attempt.body_fp
         healthy = health.healthy(running.alive_at, time.monotonic(), self.up.healthy_within)
-        return rule.retry(identical, True, healthy, self.up.on_retry) is rule.Action.FOLLOW
+        return twin_beside(identical, healthy, self.up.on_retry)
 
     def forward_failed(self) -> None:
         for attempt in self._live():
