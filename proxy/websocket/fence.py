@@ -24,7 +24,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
@@ -32,11 +32,9 @@ from proxy.errors import RegistryUnavailable, StreamfenceError, Superseded
 from proxy.ops.logs import Outcome, Record, Source
 from proxy.registry import Lease
 from proxy.turn import rule
+from proxy.websocket.types import Data, FenceSession
 from proxy.wire import dialects, health, turns
 from proxy.wire.sse import parse_fields
-
-if TYPE_CHECKING:
-    from proxy.websocket.session import Data, Session
 
 CREATE = "response.create"
 TERMINAL = frozenset({"response.completed", "response.failed", "response.incomplete", "error"})
@@ -97,7 +95,7 @@ class TwinTable:
 
 
 class ResponsesFence:
-    def __init__(self, session: Session, twins: TwinTable) -> None:
+    def __init__(self, session: FenceSession, twins: TwinTable) -> None:
         self.session = session
         self.rt = session.rt
         self.up = session.upgrade.route.upstream
