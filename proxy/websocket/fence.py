@@ -55,7 +55,7 @@ class FenceClose(Exception):
 
 
 @dataclass(eq=False)
-class Attempt:
+class ResponseAttempt:
     """One response.create: what the status page, shutdown and metrics see of it."""
 
     record: Record
@@ -83,13 +83,13 @@ class TwinTable:
     it is healthy is forwarded beside it instead of superseding it (on_retry adaptive/join)."""
 
     def __init__(self) -> None:
-        self.current: dict[str, Attempt] = {}
+        self.current: dict[str, ResponseAttempt] = {}
 
-    def running(self, key: str) -> Attempt | None:
+    def running(self, key: str) -> ResponseAttempt | None:
         found = self.current.get(key)
         return found if found is not None and not found.done and not found.fenced else None
 
-    def discard(self, key: str, attempt: Attempt) -> None:
+    def discard(self, key: str, attempt: ResponseAttempt) -> None:
         if self.current.get(key) is attempt:
             del self.current[key]
 
@@ -100,8 +100,8 @@ class ResponsesFence:
         self.rt = session.rt
         self.up = session.upgrade.route.upstream
         self.twins = twins
-        self.lanes: dict[str | None, deque[Attempt]] = {}
-        self._pending: Attempt | None = None  # the attempt of the event being written
+        self.lanes: dict[str | None, deque[ResponseAttempt]] = {}
+        self._pending: ResponseAttempt | None = None  # the attempt of the event being written
         self._terminal = False
         self.resend: list[Data] = []  # unstarted messages to send on the next upstream
 
@@ -120,7 +120,7 @@ class ResponsesFence:
         if parsed["type"] != CREATE:
             return  # response.steer and types unknown to the proxy: the upstream decides
         lane = parsed.get("stream_id")
-        attempt = Attempt(self._record(), data, lane if isinstance(lane, str) else None)
+        attempt = ResponseAttempt(self._record(), data, lane if isinstance(lane, str) else None)
         attempt.owner = self
         self.rt.metrics.in_flight.inc()
         self.rt.begin(attempt)
@@ -134,7 +134,7 @@ class ResponsesFence:
         # Only now: the attempt it supersedes (on this socket too) was fenced without it.
         self.lanes.setdefault(attempt.lane, deque()).append(attempt)
 
-    async def _claim(self, attempt: Attempt, data: str) -> None:
+    async def _claim(self, attempt: ResponseAttempt, data: str) -> None:
         self.rt.metrics.generations.labels(self.up.name).inc()  # each goes upstream
         sess = self.session
         ignore = (*self.rt.config.turns.ignore_fields, *ENVELOPE)
@@ -165,7 +165,7 @@ class ResponsesFence:
         self.twins.current[turn.key] = attempt
         lease.on_superseded(lambda: self._superseded(attempt))
 
-    def _beside(self, running: Attempt, attempt: Attempt) -> bool:
+    def _beside(self, running: ResponseAttempt, attempt: ResponseAttempt) -> bool:
         """The follow rule (turn/rule.retry), on the clock HTTP generations are judged by; a
         socket cannot follow, so where HTTP would follow, the twin goes beside."""
         identical = running.body_fp == attempt.body_fp
@@ -247,7 +247,7 @@ class ResponsesFence:
 
     # -- fencing -------------------------------------------------------------------------
 
-    def _superseded(self, attempt: Attempt) -> None:
+    def _superseded(self, attempt: ResponseAttempt) -> None:
         """The lease's callback, run in the claimer's task: fence at once."""
         if attempt.done or attempt.fenced:
             return
@@ -257,12 +257,12 @@ class ResponsesFence:
         error = Superseded(attempt.lease.attempt, attempt.lease.newer_attempt)
         self._stop(attempt, error)
 
-    def abort(self, attempt: Attempt, error: StreamfenceError) -> None:
+    def abort(self, attempt: ResponseAttempt, error: StreamfenceError) -> None:
         attempt.fenced = True
         self._stop(attempt, error)
         self.session.close_later(1001, "streamfence: shutting down")
 
-    def _stop(self, attempt: Attempt, error: StreamfenceError) -> None:
+    def _stop(self, attempt: ResponseAttempt, error: StreamfenceError) -> None:
         others = [a for a in self._live() if a is not attempt and not a.fenced]
         frame = self._error_frame(attempt, error)
         if any(a.started for a in others):
@@ -278,7 +278,7 @@ class ResponsesFence:
             self.resend = [a.message for a in others]
             self.session.spawn(self.session.forward, None)
 
-    async def _tell(self, attempt: Attempt, frame: str, ended: bool) -> None:
+    async def _tell(self, attempt: ResponseAttempt, frame: str, ended: bool) -> None:
         attempt.record.error = attempt.record.error or "stream_superseded"
         try:
             await self.session.send_client(frame)
@@ -291,7 +291,7 @@ class ResponsesFence:
                 )
                 self._finish(attempt, outcome)
 
-    def _error_frame(self, attempt: Attempt, error: StreamfenceError) -> str:
+    def _error_frame(self, attempt: ResponseAttempt, error: StreamfenceError) -> str:
         last = None if attempt.last_event is None else b"data: " + attempt.last_event.encode()
         sse = dialects.stream_error_frame(dialects.OPENAI_RESPONSES, error, last)
         frame: dict[str, Any] = json.loads(parse_fields(sse)["data"])
@@ -301,10 +301,10 @@ class ResponsesFence:
 
     # -- bookkeeping ---------------------------------------------------------------------
 
-    def _live(self) -> list[Attempt]:
+    def _live(self) -> list[ResponseAttempt]:
         return [a for queue in self.lanes.values() for a in queue if not a.done]
 
-    def _discard(self, attempt: Attempt) -> None:
+    def _discard(self, attempt: ResponseAttempt) -> None:
         queue = self.lanes.get(attempt.lane)
         if queue is not None and attempt in queue:
             queue.remove(attempt)
@@ -312,7 +312,7 @@ class ResponsesFence:
                 del self.lanes[attempt.lane]
 
     def _finish(
-        self, attempt: Attempt, outcome: Outcome, error: StreamfenceError | None = None
+        self, attempt: ResponseAttempt, outcome: Outcome, error: StreamfenceError | None = None
     ) -> None:
         if attempt.done:
             return
@@ -325,7 +325,7 @@ class ResponsesFence:
             self.twins.discard(attempt.lease.key, attempt)
         self.session.spawn(self._release, attempt, error)
 
-    async def _release(self, attempt: Attempt, error: StreamfenceError | None) -> None:
+    async def _release(self, attempt: ResponseAttempt, error: StreamfenceError | None) -> None:
         with anyio.CancelScope(shield=True):
             try:
                 if attempt.lease is not None:
