@@ -142,7 +142,7 @@ def uvicorn_options(config: Config) -> dict[str, Any]:
         loop="proxy.server.listen:Loop",  # uvloop, accepting every pending connection at a wake-up
         # httptools, each request's first step taken as soon as it is read
         http="proxy.server.eager:Protocol",
-        ws="websockets-sansio",  # WebSocket mode (proxy/websocket/session.py)
+        ws="websockets-sansio",  # WebSocket mode (proxy/websocket/endpoint.py)
         ws_max_size=config.server.websocket_max_message_bytes + 1,  # the app says 1009 itself
         lifespan="on",
         access_log=False,
