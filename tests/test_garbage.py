@@ -143,8 +143,8 @@ def test_a_kept_error_has_no_frames_along_its_chain_and_a_looped_chain_ends() ->
 
 
 async def test_websocket_responses_plain_and_fenced(make_proxy: ProxyFactory) -> None:
-    # Per response (an Attempt, its Record and Lease, the socket's fence) nothing is left
-    # for the collector. Once per socket its Session is: anyio's task group keeps a cancelled
+    # Per response (a ResponseAttempt, its Record and Lease, the socket's fence) nothing is
+    # left for the collector. Once per socket its Session is: anyio's task group keeps a cancelled
     # child's CancelledError in its own frame (a cycle through that error's traceback, which
     # holds the child's frames and so the session); sockets are few and long-lived.
     # uvicorn's HTTP protocol (proxy.server.eager's subclass) is one too after the upgrade: its

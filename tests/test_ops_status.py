@@ -235,11 +235,12 @@ async def test_the_page_follows_the_generations_own_health_rule(
 
 
 def test_what_has_no_generation_has_no_health() -> None:
-    # A WebSocket response (proxy/websocket/fence.py Attempt) has no `gen`: shown without a state.
-    class Attempt:
+    # A WebSocket response (proxy/websocket/fence.py ResponseAttempt) has no `gen`: shown
+    # without a state.
+    class ResponseAttempt:
         record = Record("WS", "/v1/responses")
 
-    assert status.liveness(Attempt(), 10.0, time.monotonic()) == ("", None)
+    assert status.liveness(ResponseAttempt(), 10.0, time.monotonic()) == ("", None)
 
 
 async def test_status_routes_need_the_access_token(

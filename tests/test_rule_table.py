@@ -86,7 +86,7 @@ def test_the_websocket_twin_rule(
 ) -> None:
     """A response.create is always a streaming request: the same-mode rows. Where HTTP
     would follow, the twin goes beside (a Responses socket is stateful upstream)."""
-    from proxy.websocket.fence import twin_beside  # noqa: PLC0415
+    from proxy.websocket.attempts import twin_beside  # noqa: PLC0415
 
     if same_mode:
         assert twin_beside(identical, healthy, on_retry) is (action is FOLLOW)

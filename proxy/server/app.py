@@ -37,7 +37,7 @@ from proxy.server.endpoint import ProxyEndpoint
 from proxy.turn.table import Generations
 from proxy.upstream.client import create_client, ssl_context_for
 from proxy.upstream.routing import RESERVED_PREFIX
-from proxy.websocket.session import WebSocketEndpoint
+from proxy.websocket.endpoint import WebSocketEndpoint
 
 STARTUP_CHECK_SECONDS = 3.0  # the registry's connect and command timeouts are shorter
 startup_log = logging.getLogger("streamfence.startup")

@@ -144,7 +144,7 @@ def uvicorn_options(config: Config) -> dict[str, Any]:
         # httptools, each request's first step taken as soon as it is read (where the hooks
         # for it exist: proxy/server/hooks.py)
         http=hooks.http_protocol(),
-        ws="websockets-sansio",  # WebSocket mode (proxy/websocket/session.py)
+        ws="websockets-sansio",  # WebSocket mode (proxy/websocket/endpoint.py)
         ws_max_size=config.server.websocket_max_message_bytes + 1,  # the app says 1009 itself
         lifespan="on",
         access_log=False,

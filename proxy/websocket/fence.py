@@ -23,21 +23,16 @@ import re
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
-from proxy.config.schema import OnRetry
 from proxy.errors import RegistryUnavailable, StreamfenceError, Superseded
 from proxy.ops.logs import Outcome, Record, Source
-from proxy.registry import Lease
-from proxy.turn import rule
+from proxy.websocket.attempts import ResponseAttempt, TwinTable, twin_beside
+from proxy.websocket.types import Data, FenceSession
 from proxy.wire import dialects, health, turns
 from proxy.wire.sse import parse_fields
-
-if TYPE_CHECKING:
-    from proxy.websocket.session import Data, Session
 
 CREATE = "response.create"
 TERMINAL = frozenset({"response.completed", "response.failed", "response.incomplete", "error"})
@@ -49,13 +44,6 @@ CLOSE_UNSUPPORTED, CLOSE_POLICY = 1003, 1008
 _WORTH_PARSING = re.compile(r'"(?:response\.(?:completed|failed|incomplete)|error|keepalive)"')
 
 
-def twin_beside(identical: bool, healthy: bool, on_retry: OnRetry) -> bool:
-    """A response.create goes beside its running twin where an HTTP request would follow it
-    (the follow rule, proxy/turn/rule.py `retry`, on the clock HTTP generations are judged
-    by): a socket cannot follow, its session is stateful upstream."""
-    return rule.retry(identical, True, healthy, on_retry) is rule.Action.FOLLOW
-
-
 class FenceClose(Exception):
     """The client sent what cannot be relayed on this path: close with `code`."""
 
@@ -64,54 +52,14 @@ class FenceClose(Exception):
         self.code, self.reason = code, reason
 
 
-@dataclass(eq=False)
-class Attempt:
-    """One response.create: what the status page, shutdown and metrics see of it."""
-
-    record: Record
-    message: Data
-    lane: str | None
-    lease: Lease | None = None
-    body_fp: str | None = None
-    started: bool = False  # the upstream sent at least one event of it
-    fenced: bool = False
-    done: bool = False
-    last_event: str | None = None
-    # The later of the request and its last content event (time.monotonic): its health
-    # (proxy.wire.health), by the rule HTTP generations follow. Keep-alives do not move it.
-    alive_at: float = field(default_factory=time.monotonic)
-    owner: ResponsesFence | None = None
-
-    def abort(self, error: StreamfenceError) -> None:
-        """Shutdown: this response ends with `error`, then the socket closes (1001)."""
-        if self.owner is not None and not self.done:
-            self.owner.abort(self, error)
-
-
-class TwinTable:
-    """The newest attempt per turn key, process-wide: an identical request arriving while
-    it is healthy is forwarded beside it instead of superseding it (on_retry adaptive/join)."""
-
-    def __init__(self) -> None:
-        self.current: dict[str, Attempt] = {}
-
-    def running(self, key: str) -> Attempt | None:
-        found = self.current.get(key)
-        return found if found is not None and not found.done and not found.fenced else None
-
-    def discard(self, key: str, attempt: Attempt) -> None:
-        if self.current.get(key) is attempt:
-            del self.current[key]
-
-
 class ResponsesFence:
-    def __init__(self, session: Session, twins: TwinTable) -> None:
+    def __init__(self, session: FenceSession, twins: TwinTable) -> None:
         self.session = session
         self.rt = session.rt
         self.up = session.upgrade.route.upstream
         self.twins = twins
-        self.lanes: dict[str | None, deque[Attempt]] = {}
-        self._pending: Attempt | None = None  # the attempt of the event being written
+        self.lanes: dict[str | None, deque[ResponseAttempt]] = {}
+        self._pending: ResponseAttempt | None = None  # the attempt of the event being written
         self._terminal = False
         self.resend: list[Data] = []  # unstarted messages to send on the next upstream
 
@@ -130,7 +78,7 @@ class ResponsesFence:
         if parsed["type"] != CREATE:
             return  # response.steer and types unknown to the proxy: the upstream decides
         lane = parsed.get("stream_id")
-        attempt = Attempt(self._record(), data, lane if isinstance(lane, str) else None)
+        attempt = ResponseAttempt(self._record(), data, lane if isinstance(lane, str) else None)
         attempt.owner = self
         self.rt.metrics.in_flight.inc()
         self.rt.begin(attempt)
@@ -144,7 +92,7 @@ class ResponsesFence:
         # Only now: the attempt it supersedes (on this socket too) was fenced without it.
         self.lanes.setdefault(attempt.lane, deque()).append(attempt)
 
-    async def _claim(self, attempt: Attempt, data: str) -> None:
+    async def _claim(self, attempt: ResponseAttempt, data: str) -> None:
         self.rt.metrics.generations.labels(self.up.name).inc()  # each goes upstream
         sess = self.session
         ignore = (*self.rt.config.turns.ignore_fields, *ENVELOPE)
@@ -175,7 +123,7 @@ class ResponsesFence:
         self.twins.current[turn.key] = attempt
         lease.on_superseded(lambda: self._superseded(attempt))
 
-    def _beside(self, running: Attempt, attempt: Attempt) -> bool:
+    def _beside(self, running: ResponseAttempt, attempt: ResponseAttempt) -> bool:
         identical = running.body_fp == attempt.body_fp
         healthy = health.healthy(running.alive_at, time.monotonic(), self.up.healthy_within)
         return twin_beside(identical, healthy, self.up.on_retry)
@@ -255,7 +203,7 @@ class ResponsesFence:
 
     # -- fencing -------------------------------------------------------------------------
 
-    def _superseded(self, attempt: Attempt) -> None:
+    def _superseded(self, attempt: ResponseAttempt) -> None:
         """The lease's callback, run in the claimer's task: fence at once."""
         if attempt.done or attempt.fenced:
             return
@@ -265,12 +213,12 @@ class ResponsesFence:
         error = Superseded(attempt.lease.attempt, attempt.lease.newer_attempt)
         self._stop(attempt, error)
 
-    def abort(self, attempt: Attempt, error: StreamfenceError) -> None:
+    def abort(self, attempt: ResponseAttempt, error: StreamfenceError) -> None:
         attempt.fenced = True
         self._stop(attempt, error)
         self.session.close_later(1001, "streamfence: shutting down")
 
-    def _stop(self, attempt: Attempt, error: StreamfenceError) -> None:
+    def _stop(self, attempt: ResponseAttempt, error: StreamfenceError) -> None:
         others = [a for a in self._live() if a is not attempt and not a.fenced]
         frame = self._error_frame(attempt, error)
         if any(a.started for a in others):
@@ -286,7 +234,7 @@ class ResponsesFence:
             self.resend = [a.message for a in others]
             self.session.spawn(self.session.forward, None)
 
-    async def _tell(self, attempt: Attempt, frame: str, ended: bool) -> None:
+    async def _tell(self, attempt: ResponseAttempt, frame: str, ended: bool) -> None:
         attempt.record.error = attempt.record.error or "stream_superseded"
         try:
             await self.session.send_client(frame)
@@ -299,7 +247,7 @@ class ResponsesFence:
                 )
                 self._finish(attempt, outcome)
 
-    def _error_frame(self, attempt: Attempt, error: StreamfenceError) -> str:
+    def _error_frame(self, attempt: ResponseAttempt, error: StreamfenceError) -> str:
         last = None if attempt.last_event is None else b"data: " + attempt.last_event.encode()
         sse = dialects.stream_error_frame(dialects.OPENAI_RESPONSES, error, last)
         frame: dict[str, Any] = json.loads(parse_fields(sse)["data"])
@@ -309,10 +257,10 @@ class ResponsesFence:
 
     # -- bookkeeping ---------------------------------------------------------------------
 
-    def _live(self) -> list[Attempt]:
+    def _live(self) -> list[ResponseAttempt]:
         return [a for queue in self.lanes.values() for a in queue if not a.done]
 
-    def _discard(self, attempt: Attempt) -> None:
+    def _discard(self, attempt: ResponseAttempt) -> None:
         queue = self.lanes.get(attempt.lane)
         if queue is not None and attempt in queue:
             queue.remove(attempt)
@@ -320,7 +268,7 @@ class ResponsesFence:
                 del self.lanes[attempt.lane]
 
     def _finish(
-        self, attempt: Attempt, outcome: Outcome, error: StreamfenceError | None = None
+        self, attempt: ResponseAttempt, outcome: Outcome, error: StreamfenceError | None = None
     ) -> None:
         if attempt.done:
             return
@@ -333,7 +281,7 @@ class ResponsesFence:
             self.twins.discard(attempt.lease.key, attempt)
         self.session.spawn(self._release, attempt, error)
 
-    async def _release(self, attempt: Attempt, error: StreamfenceError | None) -> None:
+    async def _release(self, attempt: ResponseAttempt, error: StreamfenceError | None) -> None:
         with anyio.CancelScope(shield=True):
             try:
                 if attempt.lease is not None:

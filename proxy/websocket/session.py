@@ -1,23 +1,20 @@
 """WebSocket mode (CONTRACT section 8): the relay of one accepted upgrade, frames both ways
-unchanged (proxy/websocket/upgrade.py routes and opens it).
+unchanged (proxy/websocket/endpoint.py accepts it; proxy/websocket/upgrade.py routes and opens
+it).
 
     client (uvicorn)  ->  size check, fence admit (/v1/responses)  ->  upstream socket
     upstream socket   ->  fence check (per response)               ->  client
 
-The client is accepted only once the upstream has accepted, so that a refused upstream
-handshake reaches the client as it came. Each side negotiates permessage-deflate and
-answers pings itself; close codes and reasons pass through (1005/1006, which never appear
-in a close frame, become 1000 / 1014). A client that keeps one write blocked for
-`write_timeout` is dropped; a client message over `websocket_max_message_bytes` closes 1009.
+Each side negotiates permessage-deflate and answers pings itself; close codes and reasons
+pass through (1005/1006, which never appear in a close frame, become 1000 / 1014). A client
+that keeps one write blocked for `write_timeout` is dropped; a client message over
+`websocket_max_message_bytes` closes 1009.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import ssl
-from collections.abc import Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -25,23 +22,13 @@ from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.frames import EXTERNAL_CLOSE_CODES
 
-from proxy.asgi import Message, Receive, Send
-from proxy.errors import StreamfenceError, UpgradeUnavailable
+from proxy.asgi import Receive, Send
+from proxy.errors import StreamfenceError
 from proxy.runtime import Runtime
-from proxy.upstream.client import ssl_context_for
-from proxy.websocket.fence import FenceClose, ResponsesFence, TwinTable
-from proxy.websocket.upgrade import (
-    Upgrade,
-    accept_headers,
-    open_upstream,
-    plan,
-    refuse,
-    refuse_with_upstream,
-)
-from proxy.wire import dialects
-
-Data = str | bytes
-Task = Callable[..., Coroutine[Any, Any, None]]
+from proxy.websocket.attempts import TwinTable
+from proxy.websocket.fence import FenceClose, ResponsesFence
+from proxy.websocket.types import Data, Task
+from proxy.websocket.upgrade import Upgrade, open_upstream
 
 log = logging.getLogger("streamfence")
 
@@ -53,77 +40,20 @@ def sendable(code: int | None) -> bool:
     return code is not None and (code in EXTERNAL_CLOSE_CODES or 3000 <= code < 5000)
 
 
-class WebSocketEndpoint:
-    """Every WebSocket scope: the proxy's own prefix has none (404)."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self.rt = runtime
-        self.twins = TwinTable()
-        self._context: ssl.SSLContext | None = None
-        self._context_read = False
-
-    def ssl_context(self) -> ssl.SSLContext | None:
-        if not self._context_read:  # once: loading a CA bundle takes milliseconds
-            self._context = ssl_context_for(self.rt.config.server.ca_bundle, os.environ)
-            self._context_read = True
-        return self._context
-
-    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
-        if (await receive())["type"] != "websocket.connect":
-            return
-        rt = self.rt
-        raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
-        path = raw_path.decode("latin-1")
-        dialect = dialects.detect(path)
-        name = "-"
-        try:
-            upgrade = plan(rt, scope, path, self.ssl_context())
-            name, dialect = upgrade.route.upstream.name, upgrade.dialect
-            conn = await open_upstream(upgrade)
-        except InvalidStatus as exc:
-            rt.metrics.ws_connections.labels(name, "refused").inc()
-            await refuse_with_upstream(scope, send, exc)
-            return
-        except StreamfenceError as exc:
-            outcome = "unreachable" if isinstance(exc, UpgradeUnavailable) else "rejected"
-            rt.metrics.ws_connections.labels(name, outcome).inc()
-            log.info("streamfence: websocket upgrade %s not relayed: %s", path, exc.message)
-            await refuse(scope, send, exc, dialect)
-            return
-        accept = {
-            "type": "websocket.accept",
-            "subprotocol": conn.subprotocol,
-            "headers": accept_headers(conn),
-        }
-        try:
-            await send(accept)
-        except OSError:  # the client left while the upstream was being opened
-            rt.metrics.ws_connections.labels(name, "client_gone").inc()
-            await conn.close()
-            return
-        rt.metrics.ws_connections.labels(name, "accepted").inc()
-        session = Session(self, upgrade, conn, receive, send)
-        rt.metrics.ws_open.inc()
-        try:
-            await session.run()
-        finally:
-            rt.metrics.ws_open.dec()
-
-
 class Session:
     """One relayed socket pair. The upstream socket may be replaced: the fence closes it to
     stop a superseded generation, and the next client message opens a new one."""
 
     def __init__(
         self,
-        endpoint: WebSocketEndpoint,
+        rt: Runtime,
+        twins: TwinTable,
         upgrade: Upgrade,
         conn: ClientConnection,
         receive: Receive,
         send: Send,
     ) -> None:
-        self.endpoint = endpoint
-        self.rt = endpoint.rt
+        self.rt = rt
         self.upgrade = upgrade
         self.conn: ClientConnection | None = conn
         self.receive = receive
@@ -141,7 +71,7 @@ class Session:
         self._open_lock = anyio.Lock()
         self.fence: ResponsesFence | None = None
         if upgrade.fenced:
-            self.fence = ResponsesFence(self, endpoint.twins)
+            self.fence = ResponsesFence(self, twins)
 
     async def run(self) -> None:
         try:
