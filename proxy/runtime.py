@@ -11,8 +11,8 @@ from typing import Protocol
 from proxy.config.schema import Config
 from proxy.errors import ShuttingDown, StreamfenceError
 from proxy.ops import logs, status, tracing
-from proxy.ops.logs import Record
 from proxy.ops.metrics import Metrics
+from proxy.ops.record import Record
 from proxy.registry import Registry
 from proxy.turn.buffer import Budget
 from proxy.turn.rule import Policy

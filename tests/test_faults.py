@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from proxy.ops.logs import Record
+from proxy.ops.record import Record
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import chat_body, events, events_of_a_cut_body
 from tests.stress import harness

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.ops.logs import Record
+from proxy.ops.record import Record
 from proxy.registry import Lease, MemoryRegistry
 from proxy.turn.buffer import Budget
 from proxy.turn.generation import Ask, Generation

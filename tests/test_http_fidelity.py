@@ -21,6 +21,7 @@ import trustme
 import zstandard
 
 from proxy.ops import logs
+from proxy.ops.record import Record
 from proxy.upstream import causes
 from proxy.upstream.routing import request_headers, response_headers
 from proxy.wire import codings
@@ -190,7 +191,7 @@ async def test_a_non_event_stream_body_in_zstd_passes_byte_for_byte(
 # --- errors with causes ------------------------------------------------------------------
 
 
-async def _failed(make_proxy: ProxyFactory, url: str, **overrides: object) -> logs.Record:
+async def _failed(make_proxy: ProxyFactory, url: str, **overrides: object) -> Record:
     async with make_proxy(url, **overrides) as p:
         harness.watch(p.runtime)
         async with p.client() as client:

@@ -12,8 +12,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.ops.logs import Record
 from proxy.ops.metrics import Metrics
+from proxy.ops.record import Record
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "streamfence.json"

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from proxy.config.schema import load
 from proxy.ops import logs
+from proxy.ops.record import Record
 from proxy.server import serve
 from tests.conftest import ProxyFactory
 from tests.sse_client import chat_body, events, events_of_a_cut_body, open_stream
@@ -132,7 +133,7 @@ async def test_text_format_for_humans(
 
 
 def test_text_values_with_spaces_are_quoted() -> None:
-    record = logs.Record(method="GET", path="/a b", upstream="u")
+    record = Record(method="GET", path="/a b", upstream="u")
     line = logs.line(record, "text")
     assert 'path="/a b"' in line and "method=GET" in line
 
@@ -198,7 +199,7 @@ async def test_the_lines_of_requests_ending_in_one_loop_iteration_are_one_write(
     _alone(sink, monkeypatch)
     _, stream = sink
     for i in range(3):
-        logs.log_request(logs.Record("POST", f"/v1/{i}"), "json")
+        logs.log_request(Record("POST", f"/v1/{i}"), "json")
     assert stream.writes == 0  # not yet: at the end of this iteration
     loop = asyncio.get_running_loop()
     next_iteration = loop.create_future()
@@ -214,7 +215,7 @@ def test_without_a_loop_a_line_is_written_at_once_and_flush_writes_what_waits(
 ) -> None:
     _alone(sink, monkeypatch)
     line_sink, stream = sink
-    logs.log_request(logs.Record("GET", "/now"), "json")
+    logs.log_request(Record("GET", "/now"), "json")
     assert json.loads(stream.getvalue())["path"] == "/now"
     line_sink.lines.append("waiting")  # as if its iteration had not ended
     logs.flush()  # what atexit calls
@@ -230,7 +231,7 @@ def test_with_another_handler_the_lines_go_through_logging(
     line_sink, stream = sink
     monkeypatch.setattr(logging.getLogger(), "handlers", [line_sink.handler, caplog.handler])
     with caplog.at_level(logging.INFO, "streamfence"):
-        logs.log_request(logs.Record("GET", "/captured"), "json")
+        logs.log_request(Record("GET", "/captured"), "json")
     assert stream.writes == 1  # through logging, to the process's handler as well
     assert [json.loads(r.getMessage())["path"] for r in caplog.records] == ["/captured"]
 
@@ -491,7 +492,7 @@ def test_lines_left_by_a_loop_that_closed_before_its_flush_go_out_with_the_next(
     line_sink.lines, line_sink._loop, line_sink._scheduled = ["left"], closed, True
 
     async def log() -> None:
-        logs.log_request(logs.Record("GET", "/next"), "json")
+        logs.log_request(Record("GET", "/next"), "json")
 
     asyncio.run(log())
     written = stream.getvalue().splitlines()

@@ -12,8 +12,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import __version__
-from proxy.ops.logs import Record
 from proxy.ops.metrics import Metrics
+from proxy.ops.record import Record
 from proxy.registry import MemoryRegistry
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import chat_body, events, events_of_a_cut_body, open_stream

@@ -24,7 +24,7 @@ from starlette.requests import Request
 
 from proxy.errors import MalformedStream, UpstreamConnectError, UpstreamTimeout
 from proxy.ops import status, statuspage
-from proxy.ops.logs import Record
+from proxy.ops.record import Record
 from proxy.turn.generation import Generation
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import Event, chat_body, events, open_stream

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from proxy.ops.logs import Record
+from proxy.ops.record import Record
 from tests.conftest import Proxy, ProxyFactory
 from tests.ws_upstream import WsUpstream, ws_upstream
 

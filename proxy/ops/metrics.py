@@ -56,7 +56,7 @@ from prometheus_client import (
 )
 
 from proxy import __version__
-from proxy.ops.logs import FOLLOWER_SOURCES, Record
+from proxy.ops.record import FOLLOWER_SOURCES, Record
 
 _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 

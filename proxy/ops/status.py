@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, Response
 
 from proxy import __version__
-from proxy.ops.logs import FOLLOWER_SOURCES, Outcome, Record, Source
+from proxy.ops.record import FOLLOWER_SOURCES, Outcome, Record, Source
 from proxy.ops.statuspage import PAGE, PAGE_HEADERS
 
 # Outcomes that say nothing of the upstream's health: the proxy's own refusals, clients that

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from proxy.config.schema import TracingConfig
-from proxy.ops.logs import Outcome, Record
+from proxy.ops.record import Outcome, Record
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider

@@ -12,8 +12,7 @@ from typing import Any
 from proxy.asgi import Receive, Send
 from proxy.config.schema import OnRetry, UpstreamConfig
 from proxy.errors import BodyTooLarge, NoRoute, StreamfenceError, Unauthorized
-from proxy.ops import logs
-from proxy.ops.logs import Outcome, Record, Source
+from proxy.ops.record import Outcome, Record, Source, upstream_request_id
 from proxy.runtime import Runtime
 from proxy.turn.generation import Ask, Generation
 from proxy.turn.relay import Subscriber
@@ -74,7 +73,7 @@ class ProxyEndpoint:
         def finished(record: Record, error: StreamfenceError | None) -> None:
             # Both ids in the log line: the caller's (or ours), and the upstream's, which
             # is what the client was given (relay: the upstream's own x-request-id wins).
-            record.upstream_request_id = logs.upstream_request_id(generation.raw_headers)
+            record.upstream_request_id = upstream_request_id(generation.raw_headers)
             rt.finished(record, error)
 
         subscriber = Subscriber(generation, exchange, record, finished)

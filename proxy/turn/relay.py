@@ -23,7 +23,7 @@ from typing import Any
 
 from proxy.asgi import Message, Receive, Send
 from proxy.errors import StreamfenceError, Superseded, UpstreamError, kept
-from proxy.ops.logs import Outcome, Record, Source
+from proxy.ops.record import Outcome, Record, Source
 from proxy.registry import Lease
 from proxy.tasks import run_now
 from proxy.turn.generation import Generation

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from proxy.config.schema import OnRetry
-from proxy.ops.logs import Source
+from proxy.ops.record import Source
 from proxy.turn.generation import Generation
 
 

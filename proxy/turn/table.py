@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from proxy.config.schema import OnRetry
 from proxy.errors import StaleRetry
-from proxy.ops.logs import Source
+from proxy.ops.record import Source
 from proxy.registry import Follow, Lease, Registry
 from proxy.turn.buffer import Budget
 from proxy.turn.generation import Ask, Generation

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from proxy.asgi import Message, Send
 from proxy.errors import StreamfenceError
-from proxy.ops.logs import Source
+from proxy.ops.record import Source
 from proxy.wire import dialects
 
 # A scope extension (`scope["extensions"][CUT]`, called with the server's own `send`) that

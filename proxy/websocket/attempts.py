@@ -10,7 +10,7 @@ from typing import Protocol
 
 from proxy.config.schema import OnRetry
 from proxy.errors import StreamfenceError
-from proxy.ops.logs import Record
+from proxy.ops.record import Record
 from proxy.registry import Lease
 from proxy.turn import rule
 from proxy.websocket.types import Data

@@ -28,7 +28,7 @@ from typing import Any
 import anyio
 
 from proxy.errors import RegistryUnavailable, StreamfenceError, Superseded
-from proxy.ops.logs import Outcome, Record, Source
+from proxy.ops.record import Outcome, Record, Source
 from proxy.websocket.attempts import ResponseAttempt, TwinTable, twin_beside
 from proxy.websocket.types import Data, FenceSession
 from proxy.wire import dialects, health, turns

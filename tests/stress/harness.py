@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from proxy.errors import StreamfenceError
-from proxy.ops.logs import Record
+from proxy.ops.record import Record
 from proxy.runtime import Runtime
 
 WAIT_LIMIT = 60.0  # seconds: a hang fails the test instead of the whole run
