@@ -26,20 +26,14 @@ from proxy.errors import StreamfenceError, Superseded, UpstreamError, kept
 from proxy.ops.record import Outcome, Record, Source
 from proxy.registry import Lease
 from proxy.tasks import run_now
+from proxy.turn.endings import Cause, Reach, outcome
 from proxy.turn.generation import Generation
-from proxy.turn.writes import Exchange, WriteGuard, cut, error_response_parts
-from proxy.upstream.routing import response_headers
+from proxy.turn.writes import Exchange, WriteGuard, cut, error_response_parts, response_start
 from proxy.wire import dialects
 
-SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 # The largest last write that also ends the response: under the transport's high-water mark
 # (uvicorn's and uvloop's 64 KiB), so that it cannot leave the transport paused unseen.
 END_WITH_LAST_MAX = 16 * 1024
-# Ending causes set by a cancellation, and the outcome each one is recorded as.
-SUPERSEDED, SHUTDOWN, CLIENT_GONE, WRITE_TIMEOUT = "superseded", "shutdown", "gone", "timeout"
-# What a cancellation interrupts: the fence only the serving of events (the client then gets
-# its frame), the race everything (nothing more can reach the client).
-FENCE, RACE = "fence", "race"
 
 
 class Subscriber:
@@ -56,7 +50,7 @@ class Subscriber:
         self.ex = exchange
         self.record = record
         self.on_finish = on_finish
-        self.cause: str | None = None  # why a cancellation ended this client, set once
+        self.cause: Cause | None = None  # why a cancellation ended this client, set once
         self.error: StreamfenceError | None = None  # an upstream failure, or shutdown
         self.headers_sent = False
         self.delivered = False  # the whole answer (or its terminator) was written
@@ -81,7 +75,7 @@ class Subscriber:
         return self.gen.lease
 
     # -- cancellations: each records its cause once ----------------------------------------
-    def _stop(self, cause: str, reach: str) -> None:
+    def _stop(self, cause: Cause, reach: Reach) -> None:
         """Record `cause` (the first one wins) and cancel the task as far as `reach`.
 
         The task cancels itself and later absorbs exactly the cancellations it requested
@@ -89,7 +83,7 @@ class Subscriber:
         propagates. A fence outside the serving of events has nothing left to interrupt."""
         if self.cause is None:
             self.cause = cause
-        if reach == RACE:
+        if reach is Reach.RACE:
             self._raced = True
         elif not self._fencing:
             return
@@ -108,14 +102,14 @@ class Subscriber:
 
     def superseded(self) -> None:
         """The generation was fenced by a newer one (called by the generation)."""
-        self._stop(SUPERSEDED, FENCE)
+        self._stop(Cause.SUPERSEDED, Reach.FENCE)
 
     def abort(self, error: StreamfenceError) -> None:
         """End this client with `error` (shutdown), at its next await, with the dialect's
         error frame; a non-SSE body already under way is left to finish."""
         if self.cause is None and not self.delivered:
             self.error = error
-        self._stop(SHUTDOWN, FENCE)
+        self._stop(Cause.SHUTDOWN, Reach.FENCE)
 
     # -- the race ---------------------------------------------------------------------------
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
@@ -164,7 +158,7 @@ class Subscriber:
         except Exception:  # noqa: BLE001 - a receive that fails: the client is gone too
             pass
         if not self.done:
-            self._stop(CLIENT_GONE, RACE)
+            self._stop(Cause.CLIENT_GONE, Reach.RACE)
 
     def _bounded(self, send: Send) -> Send:
         """`send`, but a client that keeps one write blocked for write_timeout seconds is
@@ -173,7 +167,7 @@ class Subscriber:
         timeout = self.ex.write_timeout
         if not timeout:
             return send
-        self._guard = WriteGuard(timeout, lambda: self._stop(WRITE_TIMEOUT, RACE))
+        self._guard = WriteGuard(timeout, lambda: self._stop(Cause.WRITE_TIMEOUT, Reach.RACE))
         return self._guard.bound(send)
 
     async def _run(self, send: Send) -> None:
@@ -190,7 +184,7 @@ class Subscriber:
                 raise
         finally:
             self._fencing = False
-        if self.cause == SUPERSEDED and not self.delivered:
+        if self.cause is Cause.SUPERSEDED and not self.delivered:
             # The generation's upstream is closed first: that is the fence's promise, and a
             # client that does not read its frame must not hold the upstream open.
             await self.gen.finished.wait()
@@ -298,13 +292,8 @@ class Subscriber:
         return True
 
     async def _start(self, send: Send, *, reframed: bool) -> None:
-        headers = response_headers(self.gen.raw_headers, reframed=reframed)
-        upstream_names = {name for name, _ in headers}
-        # The upstream's own request id (OpenAI's, Anthropic's) is the one a caller reports.
-        headers += [h for h in self._own_headers() if h[0] not in upstream_names]
-        if reframed:
-            headers += SSE_HEADERS
-        await send({"type": "http.response.start", "status": self.gen.status, "headers": headers})
+        gen = self.gen
+        await send(response_start(gen.status, gen.raw_headers, self._own_headers(), reframed))
         self.headers_sent = True
         self.record.first_byte_at = time.perf_counter()
 
@@ -339,22 +328,10 @@ class Subscriber:
     def _finish(self) -> None:
         record = self.record
         if record.outcome == Outcome.PENDING:
-            record.outcome = self._outcome()
+            record.outcome = outcome(self.cause, self.delivered, self.error)
+            if self.cause is Cause.WRITE_TIMEOUT:  # even after the last event: took nothing
+                record.error = "client_write_timeout"
         record.finished_at = time.perf_counter()
         # The error once per upstream failure: its generation's first client reports it.
         own = self.cause is None and self.ex.source in (Source.UPSTREAM, Source.BESIDE)
         self.on_finish(record, self.error if own else None)
-
-    def _outcome(self) -> Outcome:
-        if self.cause == WRITE_TIMEOUT:  # even after the last event: the client took nothing
-            self.record.error = "client_write_timeout"
-            return Outcome.CLIENT_GONE
-        if self.delivered:
-            return Outcome.COMPLETED
-        if self.cause == SUPERSEDED:
-            return Outcome.SUPERSEDED
-        if self.cause == SHUTDOWN:
-            return Outcome.SHUTDOWN
-        if self.cause == CLIENT_GONE or self.error is None:
-            return Outcome.CLIENT_GONE
-        return Outcome.UPSTREAM_ERROR

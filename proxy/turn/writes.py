@@ -12,10 +12,13 @@ import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from proxy.asgi import Message, Send
+from proxy.asgi import Headers, Message, Send
 from proxy.errors import StreamfenceError
 from proxy.ops.record import Source
+from proxy.upstream.routing import response_headers
 from proxy.wire import dialects
+
+SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 # A scope extension (`scope["extensions"][CUT]`, called with the server's own `send`) that
 # ends a response whose body has begun without its last chunk: the connection closes after
@@ -53,6 +56,18 @@ def cut(scope: Message, send: Send) -> None:
     end = scope.get("extensions", {}).get(CUT)
     if end is not None:
         end(send)
+
+
+def response_start(status: int, upstream: Headers, own: Headers, reframed: bool) -> Message:
+    """The head of a response from upstream: its headers as they came (less hop-by-hop ones
+    and, `reframed`, its framing: proxy/upstream/routing.py), then the client's own ones that
+    the upstream did not send (its request id wins: it is the one a caller reports)."""
+    headers = response_headers(upstream, reframed=reframed)
+    upstream_names = {name for name, _ in headers}
+    headers += [h for h in own if h[0] not in upstream_names]
+    if reframed:
+        headers += SSE_HEADERS
+    return {"type": "http.response.start", "status": status, "headers": headers}
 
 
 def error_response_parts(
