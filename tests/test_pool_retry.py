@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 
-from proxy.upstream.connection import HINT_CAP, keep_alive_expiry
+from proxy.upstream.reuse import HINT_CAP, keep_alive_expiry
 from proxy.upstream.transport import Transport
 from tests.conftest import ProxyFactory
 from tests.sse_client import chat_body

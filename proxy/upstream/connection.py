@@ -20,12 +20,9 @@ import httpx
 
 from proxy.config.egress import ProxyURL
 from proxy.upstream.pacing import PAUSE, ReadPacer
+from proxy.upstream.reuse import keep_alive_expiry
 
 HIGH_WATER = 256 * 1024  # buffered, unread body bytes before reading from the socket pauses
-# A server's Keep-Alive hint is trusted this much: expire a second early, and never pool
-# longer than a minute (a load balancer may still close sooner; the retry covers that).
-HINT_MARGIN = 1.0
-HINT_CAP = 60.0
 Key = tuple[str, str, int]
 
 
@@ -339,18 +336,3 @@ def _shut_down(sock: socket.socket | None) -> None:
         pass  # already reset by the peer: closed all the same
     finally:
         own.detach()
-
-
-def keep_alive_expiry(value: bytes, default: float) -> float:
-    """Seconds an idle connection may be kept, from a `Keep-Alive: timeout=N, max=M` hint."""
-    for param in value.split(b","):
-        name, _, number = param.strip().partition(b"=")
-        if name.strip().lower() == b"timeout":
-            try:
-                seconds = float(number.strip())
-            except ValueError:
-                return default
-            if seconds != seconds:  # NaN
-                return default
-            return max(0.0, min(seconds - HINT_MARGIN, HINT_CAP))
-    return default

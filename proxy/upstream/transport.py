@@ -13,7 +13,7 @@ What it promises, because the relay depends on it:
 - chunked, content-length and read-until-close bodies; TLS for https (default context);
 - failures raise httpx's exceptions, so upstream.translate_errors maps them as before;
 - a request on a reused connection that the server closed as it was reused, before it could
-  have read the request (no response byte, the close within RESEND_WITHIN of the request's
+  have read the request (no response byte, the close within reuse.RESEND_WITHIN of the request's
   first byte), is sent once more on a fresh one; on a fresh one, or once the server has held
   the request longer, it is never sent again (`may_resend`);
 - idle expiry follows the server's `Keep-Alive: timeout=N`, less a margin, capped;
@@ -32,23 +32,8 @@ from typing import Any
 import httpx
 
 from proxy.config.egress import EgressPlan
-from proxy.upstream import tunnel
+from proxy.upstream import reuse, tunnel
 from proxy.upstream.connection import Connection, Key
-
-# How soon after a request's first byte a reused connection may end (with no response byte)
-# for the request to be sent again. A server that closed an idle connection as we reused it
-# (its keep-alive timeout, a load balancer's) did so before it read our request: its FIN, or
-# the RST its kernel answers our bytes with, reaches us about one round trip after our write
-# (under a millisecond on loopback and within a data centre, tens of ms to a provider's
-# nearest edge). A provider that took the request and then dropped the connection held it
-# as long as it worked on it, which may have cost (and billed) a generation: sending it
-# again would ask twice, and make the caller wait twice for the same failure. 100 ms is a
-# round trip to a distant edge and far below any model's time to answer. A close later than
-# that is a 502 with its cause, the request sent once; on a link slower than 100 ms the rare
-# late race becomes a 502 too, which the official SDKs retry themselves: never a request
-# asked twice by the proxy. (Go's transport never resends a POST it has written; this one
-# resends only inside that window: README, "What the contract leaves open".)
-RESEND_WITHIN = 0.1
 
 
 def held_for(conn: Connection) -> float:
@@ -63,12 +48,12 @@ def may_resend(conn: Connection, request: httpx.Request) -> bool:
     again, and the server closed the connection before it could have taken the request."""
     if not conn.reused or conn.received or not isinstance(request.stream, httpx.ByteStream):
         return False
-    return held_for(conn) < RESEND_WITHIN
+    return reuse.resends(held_for(conn))
 
 
 def _not_resent(conn: Connection, exc: httpx.TransportError) -> httpx.TransportError:
     """`exc`, saying how long the server held the request when that is why it is final."""
-    if conn.received or held_for(conn) < RESEND_WITHIN:
+    if conn.received or reuse.resends(held_for(conn)):
         return exc
     return type(exc)(
         f"{exc} {held_for(conn):.1f} s after it took the request (not sent again: the "
