@@ -36,6 +36,10 @@ class InFlight(Abortable, Protocol):
 
     record: Record
 
+    def last_alive(self) -> float | None:
+        """When what it reads last sent content (time.monotonic), for the status page."""
+        ...
+
 
 class Runtime:
     """One per app; its upstream client and generations are made in the lifespan."""

@@ -25,7 +25,7 @@ from starlette.requests import Request
 from proxy.errors import MalformedStream, UpstreamConnectError, UpstreamTimeout
 from proxy.ops import status, statuspage
 from proxy.ops.record import Record
-from proxy.turn.generation import Generation
+from proxy.wire import health
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import Event, chat_body, events, open_stream
 from tests.upstream import ScriptedUpstream, free_port
@@ -203,15 +203,15 @@ async def test_feed_shows_each_turn_in_flight_healthy_or_stalled(
 async def test_the_page_follows_the_generations_own_health_rule(
     upstream: ScriptedUpstream, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # One rule in one place: the page asks Generation.healthy (what decides a retry), so a
-    # change to that rule (keep-alives not counting, say) is on the page as it is.
+    # One rule in one place: the page asks the health rule that decides a retry
+    # (proxy/wire/health.py), so a change to that rule is on the page as it is.
     calls: list[tuple[float, float]] = []
 
-    def never_healthy(self: Generation, within: float, now: float) -> bool:
+    def never_healthy(alive_at: float, now: float, within: float) -> bool:
         calls.append((within, now))
         return False
 
-    monkeypatch.setattr(Generation, "healthy", never_healthy)
+    monkeypatch.setattr(health, "healthy", never_healthy)
     async with (
         make_proxy(upstream.url, **{"upstream.healthy_within": 60.0}) as proxy,
         proxy.client() as client,
@@ -234,13 +234,16 @@ async def test_the_page_follows_the_generations_own_health_rule(
         assert [e async for e in stream][-1].data == "[DONE]"
 
 
-def test_what_has_no_generation_has_no_health() -> None:
-    # A WebSocket response (proxy/websocket/fence.py ResponseAttempt) has no `gen`: shown
-    # without a state.
-    class ResponseAttempt:
+def test_what_has_no_moment_of_life_has_no_health() -> None:
+    # A WebSocket response without a turn key (no twin rule) reports no last sign of life:
+    # shown without a state.
+    class Unkeyed:
         record = Record("WS", "/v1/responses")
 
-    assert status.liveness(ResponseAttempt(), 10.0, time.monotonic()) == ("", None)
+        def last_alive(self) -> float | None:
+            return None
+
+    assert status.liveness(Unkeyed(), 10.0, time.monotonic()) == ("", None)
 
 
 async def test_status_routes_need_the_access_token(

@@ -35,6 +35,7 @@ from starlette.responses import HTMLResponse, PlainTextResponse, Response
 from proxy import __version__
 from proxy.ops.record import FOLLOWER_SOURCES, Outcome, Record, Source
 from proxy.ops.statuspage import PAGE, PAGE_HEADERS
+from proxy.wire import health
 
 # Outcomes that say nothing of the upstream's health: the proxy's own refusals, clients that
 # left, fences and shutdowns.
@@ -52,32 +53,28 @@ PING_SECONDS = 15
 
 
 class _Relay(Protocol):
+    """A request in flight, as the page sees it (proxy.runtime.InFlight)."""
+
     record: Record
 
-
-class _Generation(Protocol):
-    """What the page reads of a generation (proxy.turn.generation.Generation)."""
-
-    def last_alive(self) -> float: ...  # time.monotonic()
-
-    def healthy(self, within: float, now: float) -> bool: ...
+    def last_alive(self) -> float | None:
+        """When what it reads last sent content (time.monotonic); None: nothing to judge."""
+        ...
 
 
 NO_POLICY: Mapping[str, float] = MappingProxyType({})
 
 
-def liveness(relay: object, within: float | None, now: float) -> tuple[str, float | None]:
-    """The state of the generation an HTTP client reads, "healthy" or "stalled", and the
-    seconds since its last content event (or its start): decided by the generation's own rule
-    (`Generation.healthy`, what decides whether a retry follows it or replaces it), from
-    the field that rule reads, never by a second copy of it here. ("", None) for what has
-    no generation (a WebSocket response: its rule lives in proxy/websocket/fence.py) or no
-    healthy_within. `now` is time.monotonic()."""
-    gen: _Generation | None = getattr(relay, "gen", None)
-    if gen is None or within is None:
+def liveness(relay: _Relay, within: float | None, now: float) -> tuple[str, float | None]:
+    """ "healthy" or "stalled" (what a retry of it would do: follow it or replace it) and the
+    seconds since its last content event: the one rule (proxy/wire/health.py) on the moment
+    the request's own generation (or WebSocket response) reports. ("", None) for what has no
+    such moment, or no healthy_within. `now` is time.monotonic()."""
+    alive = relay.last_alive()
+    if alive is None or within is None:
         return "", None
-    state = "healthy" if gen.healthy(within, now) else "stalled"
-    return state, max(0.0, now - gen.last_alive())
+    state = "healthy" if health.healthy(alive, now, within) else "stalled"
+    return state, max(0.0, now - alive)
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,6 +74,10 @@ class Subscriber:
     def lease(self) -> Lease | None:
         return self.gen.lease
 
+    def last_alive(self) -> float:
+        """Its generation's last sign of life: what a retry of it is judged by."""
+        return self.gen.last_alive()
+
     # -- cancellations: each records its cause once ----------------------------------------
     def _stop(self, cause: Cause, reach: Reach) -> None:
         """Record `cause` (the first one wins) and cancel the task as far as `reach`.

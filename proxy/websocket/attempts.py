@@ -47,6 +47,10 @@ class ResponseAttempt:
     alive_at: float = field(default_factory=time.monotonic)
     owner: Owner | None = None
 
+    def last_alive(self) -> float | None:
+        """Its last sign of life, for the status page: a keyed response has a twin rule."""
+        return None if self.lease is None else self.alive_at
+
     def abort(self, error: StreamfenceError) -> None:
         """Shutdown: this response ends with `error`, then the socket closes (1001)."""
         if self.owner is not None and not self.done:
