@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from proxy import __version__
-from proxy.config.schema import Config, ConfigError, load
+from proxy.config.load import ConfigError, load
+from proxy.config.schema import Config
 
 EXAMPLE_URL = "https://github.com/streamfence/streamfence/blob/main/config.example.toml"
 UPSTREAM_ENV = "STREAMFENCE_UPSTREAM_"  # an upstream set in the environment

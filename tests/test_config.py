@@ -1,4 +1,4 @@
-"""proxy.config.schema: defaults, the TOML file, STREAMFENCE_* environment and flags, in that order
+"""proxy.config.load: defaults, the TOML file, STREAMFENCE_* environment and flags, in that order
 of precedence, and bad values reported with their key path (CONTRACT section 7).
 
 The example file and `check-config` have their own tests in tests/test_ops_config.py."""
@@ -10,16 +10,14 @@ from typing import Any, get_type_hints
 
 import pytest
 
+from proxy.config.load import ConfigError, from_dict, load
 from proxy.config.schema import (
     Config,
-    ConfigError,
     RegistryConfig,
     ServerConfig,
     TracingConfig,
     TurnsConfig,
     UpstreamConfig,
-    from_dict,
-    load,
 )
 from proxy.config.validation import RANGES
 

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from proxy import __version__
 from proxy.config import egress
-from proxy.config.schema import Config, from_dict
+from proxy.config.load import from_dict
+from proxy.config.schema import Config
 from proxy.ops import logs, tracing
 from proxy.server import shutdown
 
