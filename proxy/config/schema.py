@@ -12,6 +12,64 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+# The settings with fixed choices. Members in the order an error message lists them
+# ("must be one of auto, json, text, not 'xml'"); compared with their members, never with
+# a spelled-out string.
+
+
+class LogFormat(StrEnum):
+    """[server] log_format: the process's log lines (proxy.ops.logs)."""
+
+    AUTO = "auto"  # text on a terminal, JSON otherwise (proxy.ops.logs.resolve_format)
+    JSON = "json"
+    TEXT = "text"
+
+
+class HttpTransport(StrEnum):
+    """[server] http_transport: the upstream HTTP client's transport."""
+
+    HTTPX = "httpx"  # httpx's own (httpcore + h11), kept as a fallback
+    FAST = "fast"  # proxy/upstream/transport.py: HTTP/1.1 on the event loop with httptools
+
+
+class Backend(StrEnum):
+    """[registry] backend: where turns are claimed and fenced."""
+
+    MEMORY = "memory"  # in the process: one process only
+    REDIS = "redis"  # shared by every process on the Redis (or Redis Cluster)
+
+
+class OnUnavailable(StrEnum):
+    """[registry] on_unavailable: a keyed request while the registry does not answer."""
+
+    FAIL_OPEN = "fail_open"  # forwarded unfenced
+    FAIL_CLOSED = "fail_closed"  # refused with 503
+
+
+class TracingMode(StrEnum):
+    """[tracing] enabled: whether OpenTelemetry traces are exported (proxy.ops.tracing)."""
+
+    AUTO = "auto"  # on when the standard OTEL_* variables ask for it
+    ON = "on"
+    OFF = "off"
+
+
+class OnRetry(StrEnum):
+    """What a repeated request of a running turn does (CONTRACT section 3): follow the
+    running generation while it is healthy, always, or never."""
+
+    ADAPTIVE = "adaptive"
+    SUPERSEDE = "supersede"
+    JOIN = "join"
+
+
+class EventIds(StrEnum):
+    """[[upstream]] event_ids: `id:` lines on relayed SSE events, for Last-Event-ID resumes."""
+
+    AUTO = "auto"  # on generic SSE paths only (LLM SDKs never resume)
+    ALWAYS = "always"
+    NEVER = "never"
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -26,12 +84,12 @@ class ServerConfig:
     # upstream closed; 0 waits for ever. Flow control already bounds what is buffered.
     write_timeout: float = 60.0
     # "auto": text on a terminal, JSON otherwise (proxy.ops.logs.resolve_format).
-    log_format: str = "auto"
+    log_format: LogFormat = LogFormat.AUTO
     workers: int = 1
     # The upstream HTTP client's transport: "fast" (proxy/upstream/transport.py, HTTP/1.1 on
     # the event loop with httptools) or "httpx" (httpx's own, httpcore + h11: ~3x the CPU per event,
     # kept as a fallback; docs/benchmarks.md).
-    http_transport: str = "fast"
+    http_transport: HttpTransport = HttpTransport.FAST
     # All generation buffers of the process together (what followers read).
     join_buffer_total_bytes: int = 256 * 1024 * 1024
     # WebSocket mode: a client message over this closes the socket with 1009.
@@ -55,9 +113,9 @@ class TurnsConfig:
 
 @dataclass(frozen=True)
 class RegistryConfig:
-    backend: str = "memory"
+    backend: Backend = Backend.MEMORY
     url: str = "redis://127.0.0.1:6379/0"
-    on_unavailable: str = "fail_open"
+    on_unavailable: OnUnavailable = OnUnavailable.FAIL_OPEN
     lease_ttl: float = 3600.0
     # Publish followable generations to Redis, so that an identical request on another
     # process follows them (proxy/turn/remote.py) instead of starting its own.
@@ -68,18 +126,9 @@ class RegistryConfig:
 class TracingConfig:
     # OpenTelemetry traces (proxy/ops/tracing.py, the `streamfence[otel]` extra). "auto": on
     # when the standard OTEL_* variables ask for it; "on" / "off" decide regardless.
-    enabled: str = "auto"
+    enabled: TracingMode = TracingMode.AUTO
     # The OTLP/HTTP traces endpoint; "" leaves it to OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT.
     endpoint: str = ""
-
-
-class OnRetry(StrEnum):
-    """What a repeated request of a running turn does (CONTRACT section 3): follow the
-    running generation while it is healthy, always, or never."""
-
-    ADAPTIVE = "adaptive"
-    SUPERSEDE = "supersede"
-    JOIN = "join"
 
 
 @dataclass(frozen=True)
@@ -97,7 +146,7 @@ class UpstreamConfig:
     healthy_within: float = 10.0
     # `id:` lines on relayed SSE events, for Last-Event-ID resumes: "auto" adds them on
     # generic SSE paths only (LLM SDKs never resume), "always", or "never".
-    event_ids: str = "auto"
+    event_ids: EventIds = EventIds.AUTO
     replay_window: float = 0.0  # seconds a finished stream stays replayable; 0: never
     replay_fingerprints: bool = False  # replay for fingerprint keys too, not only X-Turn-Id
     join_buffer_bytes: int = 8 * 1024 * 1024  # per generation; over it, nobody may follow

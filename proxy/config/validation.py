@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from proxy.config import egress
-from proxy.config.schema import Config
+from proxy.config.schema import Backend, Config
 
 _EXAMPLE_URL = "https://api.openai.com"
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token
@@ -90,13 +90,13 @@ def problems(config: Config) -> list[str]:
     problems += _ranges("registry", "registry", config.registry)
     for i, up in enumerate(config.upstream):
         problems += _ranges("upstream", f"upstream[{i}]", up)
-    if config.server.workers > 1 and config.registry.backend == "memory":
+    if config.server.workers > 1 and config.registry.backend == Backend.MEMORY:
         problems.append(
             "server.workers: several workers need a shared registry; the in-memory one lives "
             "in one process, so a retry landing on another worker would fence nothing. "
             'Set [registry] backend = "redis"'
         )
-    if config.registry.backend == "redis" and urlsplit(config.registry.url).scheme not in (
+    if config.registry.backend == Backend.REDIS and urlsplit(config.registry.url).scheme not in (
         "redis",
         "rediss",
         "unix",
