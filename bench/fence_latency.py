@@ -19,7 +19,7 @@ import time
 
 import httpx
 
-from proxy.config.schema import load
+from proxy.config.load import load
 from proxy.server.app import create_app
 from tests.upstream import ScriptedUpstream, serve
 

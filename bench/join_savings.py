@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from proxy.config.schema import load
+from proxy.config.load import load
 from proxy.demo import until_disconnect
 from proxy.server.app import create_app
 from tests.upstream import serve

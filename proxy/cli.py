@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from proxy import __version__
-from proxy.config.schema import Config, ConfigError, load
+from proxy.config.load import ConfigError, load
+from proxy.config.schema import Backend, Config, LogFormat
 
 EXAMPLE_URL = "https://github.com/streamfence/streamfence/blob/main/config.example.toml"
 UPSTREAM_ENV = "STREAMFENCE_UPSTREAM_"  # an upstream set in the environment
@@ -53,7 +54,7 @@ def _serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--access-token", help="callers must send it as x-streamfence-token")
     p.add_argument(
         "--log-format",
-        choices=("auto", "json", "text"),
+        choices=[f.value for f in LogFormat],  # plain strings: argparse shows their repr
         help="log format (default auto: text on a terminal, JSON otherwise)",
     )
     p.add_argument(
@@ -193,7 +194,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "server.log_format": args.log_format,
     }
     if args.registry_url:
-        overrides["registry.backend"] = "redis"
+        overrides["registry.backend"] = Backend.REDIS
         overrides["registry.url"] = args.registry_url
     config = load(args.config, overrides=overrides, flags=FLAGS)
     from proxy.config import egress  # noqa: PLC0415 - keep `--help` fast

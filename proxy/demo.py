@@ -23,7 +23,8 @@ from typing import Any
 import httpx
 import uvicorn
 
-from proxy.config.schema import UpstreamConfig, load
+from proxy.config.load import load
+from proxy.config.schema import UpstreamConfig
 from proxy.server.app import create_app
 
 ANSWER = "The capital of France is Paris . It sits on the Seine .".split()

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.config.schema import load
+from proxy.config.load import load
 from proxy.runtime import Runtime
 from proxy.server.app import create_app
 from proxy.server.listen import Loop

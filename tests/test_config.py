@@ -1,25 +1,24 @@
-"""proxy.config.schema: defaults, the TOML file, STREAMFENCE_* environment and flags, in that order
+"""proxy.config.load: defaults, the TOML file, STREAMFENCE_* environment and flags, in that order
 of precedence, and bad values reported with their key path (CONTRACT section 7).
 
 The example file and `check-config` have their own tests in tests/test_ops_config.py."""
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, get_type_hints
 
 import pytest
 
+from proxy.config.load import ConfigError, from_dict, load
 from proxy.config.schema import (
     Config,
-    ConfigError,
     RegistryConfig,
     ServerConfig,
     TracingConfig,
     TurnsConfig,
     UpstreamConfig,
-    from_dict,
-    load,
 )
 from proxy.config.validation import RANGES
 
@@ -403,6 +402,45 @@ def test_an_infinite_duration_names_its_key_path(tmp_path: Path, key: str) -> No
 )
 def test_the_edges_of_the_ranges_are_accepted(key: str, value: float) -> None:
     load(env={}, overrides={**URL, key: value})
+
+
+# Every setting with fixed choices, and how a wrong value's problem lists them (as users
+# read it: the order is the StrEnum's).
+CHOICES = {
+    "server.log_format": "auto, json, text",
+    "server.http_transport": "httpx, fast",
+    "registry.backend": "memory, redis",
+    "registry.on_unavailable": "fail_open, fail_closed",
+    "tracing.enabled": "auto, on, off",
+    "upstream.on_retry": "adaptive, supersede, join",
+    "upstream.event_ids": "auto, always, never",
+}
+
+
+def test_every_setting_with_choices_is_a_strenum() -> None:
+    # Compared with its members across proxy/, never with a string spelled in several files.
+    enums = {
+        f"{section}.{name}"
+        for section, cls in SECTIONS.items()
+        for name, hint in get_type_hints(cls).items()
+        if isinstance(hint, type) and issubclass(hint, StrEnum)
+    }
+    assert sorted(enums) == sorted(CHOICES)
+
+
+@pytest.mark.parametrize("key", sorted(CHOICES))
+def test_a_setting_with_choices_loads_as_its_member_and_a_wrong_one_lists_them(key: str) -> None:
+    section, name = key.split(".")
+    index = "0_" if section == "upstream" else ""
+    variable = f"STREAMFENCE_{section.upper()}_{index}{name.upper()}"
+    where = f"upstream[0].{name}" if section == "upstream" else key
+    enum = get_type_hints(SECTIONS[section])[name]
+    for member in enum:
+        config = load(env={variable: member.value}, overrides=URL)
+        owner = config.upstream[0] if section == "upstream" else getattr(config, section)
+        assert getattr(owner, name) is member
+    problems = problems_of(env={variable: "bogus"}, overrides=URL)
+    assert problems == [f"{where}: must be one of {CHOICES[key]}, not 'bogus' (from {variable})"]
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ import uvloop
 
 from proxy import cli
 from proxy.config import egress
-from proxy.config.schema import ConfigError, from_dict, load
+from proxy.config.load import ConfigError, from_dict, load
 from proxy.server import serve as proxy_serve
 from proxy.upstream.client import ssl_context_for
 from proxy.upstream.transport import Transport

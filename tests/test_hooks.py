@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from proxy import tasks
-from proxy.config.schema import from_dict
+from proxy.config.load import from_dict
 from proxy.server import hooks, listen
 from proxy.server.serve import startup_lines, uvicorn_options
 from tests.conftest import PROXY_LOOP, ProxyFactory

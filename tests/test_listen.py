@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 import uvloop
 
-from proxy.config.schema import load
+from proxy.config.load import load
 from proxy.server import listen, serve
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from proxy import cli
-from proxy.config.schema import defaults_as_dict, load
+from proxy.config.load import load
+from proxy.config.schema import defaults_as_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "config.example.toml"

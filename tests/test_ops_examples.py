@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from proxy.config.schema import load
+from proxy.config.load import load
 from tests.conftest import ProxyFactory
 from tests.upstream import ScriptedUpstream
 

@@ -14,7 +14,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from proxy.config.schema import Config, load
+from proxy.config.load import load
+from proxy.config.schema import Config
 from proxy.server import shutdown
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -26,7 +26,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.config.schema import load
+from proxy.config.load import load
 from proxy.ops import logs
 from proxy.ops.record import Record
 from proxy.server import serve

@@ -196,7 +196,7 @@ def test_off_it_never_imports_opentelemetry() -> None:
     code = (
         "import sys\n"
         "from proxy.server.app import create_app\n"
-        "from proxy.config.schema import load\n"
+        "from proxy.config.load import load\n"
         "app = create_app(load(env={}, overrides={'upstream.url': 'http://127.0.0.1:9'}))\n"
         "assert app.state.runtime.tracer is None\n"
         "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n"

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from proxy.config.schema import from_dict
+from proxy.config.load import from_dict
 from proxy.server.app import create_app
 from tests.conftest import Proxy
 from tests.sse_client import chat_body, events

@@ -24,7 +24,8 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from proxy.config.schema import ConfigError, OnRetry, RegistryConfig, load
+from proxy.config.load import ConfigError, load
+from proxy.config.schema import OnRetry, RegistryConfig
 from proxy.registry.base import Lease
 from proxy.registry.handshake import ACK_WAIT
 from proxy.registry.redis import RedisRegistry

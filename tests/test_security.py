@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.config.schema import load
+from proxy.config.load import load
 from proxy.server import serve
 from tests.conftest import Proxy, ProxyFactory
 from tests.sse_client import chat_body, events, open_stream

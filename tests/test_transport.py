@@ -20,7 +20,7 @@ import httpx
 import pytest
 import trustme
 
-from proxy.config.schema import load
+from proxy.config.load import load
 from proxy.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
 from proxy.upstream import client as upstream
 from proxy.upstream import connection, pacing

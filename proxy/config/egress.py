@@ -22,11 +22,9 @@ import base64
 import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
-if TYPE_CHECKING:  # config imports this module to check its settings
-    from proxy.config.schema import Config, UpstreamConfig
+from proxy.config.schema import Config, UpstreamConfig
 
 DIRECT = ("none", "direct")
 Origin = tuple[str, str, int]

@@ -1,5 +1,5 @@
 """The rules a whole configuration must meet beyond each value's type and choices
-(`proxy.config.schema`): ranges, URLs, files that must exist, prefixes that must not collide, and
+(`proxy.config.load`): ranges, URLs, files that must exist, prefixes that must not collide, and
 the rules across sections (several workers need a shared registry). Every problem names its
 key path; all of them are reported at once.
 """
@@ -10,13 +10,10 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from proxy.config import egress
-
-if TYPE_CHECKING:
-    from proxy.config.schema import Config
+from proxy.config.schema import Backend, Config
 
 _EXAMPLE_URL = "https://api.openai.com"
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token
@@ -93,13 +90,13 @@ def problems(config: Config) -> list[str]:
     problems += _ranges("registry", "registry", config.registry)
     for i, up in enumerate(config.upstream):
         problems += _ranges("upstream", f"upstream[{i}]", up)
-    if config.server.workers > 1 and config.registry.backend == "memory":
+    if config.server.workers > 1 and config.registry.backend == Backend.MEMORY:
         problems.append(
             "server.workers: several workers need a shared registry; the in-memory one lives "
             "in one process, so a retry landing on another worker would fence nothing. "
             'Set [registry] backend = "redis"'
         )
-    if config.registry.backend == "redis" and urlsplit(config.registry.url).scheme not in (
+    if config.registry.backend == Backend.REDIS and urlsplit(config.registry.url).scheme not in (
         "redis",
         "rediss",
         "unix",

@@ -23,6 +23,7 @@ from dataclasses import fields
 from types import TracebackType
 from typing import IO, Any
 
+from proxy.config.schema import LogFormat
 from proxy.ops.record import Record
 
 logger = logging.getLogger("streamfence")
@@ -43,7 +44,7 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
 
 
-def line(record: Record, fmt: str = "json") -> str:
+def line(record: Record, fmt: LogFormat = LogFormat.JSON) -> str:
     # Every field is a plain value: read them directly (asdict deep-copies, per request).
     data: dict[str, object] = {name: getattr(record, name) for name in _LOGGED}
     data.update(
@@ -65,9 +66,9 @@ def rfc3339(ts: float) -> str:
     return f"{_second[1]}.{int(ts % 1 * 1000):03d}Z"
 
 
-def _render(msg: str, data: dict[str, object], fmt: str) -> str:
+def _render(msg: str, data: dict[str, object], fmt: LogFormat) -> str:
     stamp = rfc3339(time.time())
-    if fmt == "text":
+    if fmt == LogFormat.TEXT:
         # For humans: the time first, empty fields left out, values with spaces quoted.
         shown = [f"{k}={_quote(v)}" for k, v in data.items() if v not in (None, "", False)]
         return " ".join([stamp, f"msg={msg}", *shown])
@@ -168,12 +169,12 @@ def flush() -> None:
         _sink.flush()
 
 
-def log_request(record: Record, fmt: str = "json") -> None:
+def log_request(record: Record, fmt: LogFormat = LogFormat.JSON) -> None:
     if logger.isEnabledFor(logging.INFO):
         _emit(line(record, fmt))
 
 
-def supersede_line(record: Record, fmt: str = "json") -> str:
+def supersede_line(record: Record, fmt: LogFormat = LogFormat.JSON) -> str:
     """Both attempts of a supersede, and how long the fence took to close the old one."""
     data: dict[str, object] = {
         "turn": record.turn,
@@ -186,7 +187,7 @@ def supersede_line(record: Record, fmt: str = "json") -> str:
     return _render("superseded", data, fmt)
 
 
-def log_supersede(record: Record, fmt: str = "json") -> None:
+def log_supersede(record: Record, fmt: LogFormat = LogFormat.JSON) -> None:
     if logger.isEnabledFor(logging.INFO):
         _emit(supersede_line(record, fmt))
 
@@ -250,21 +251,21 @@ def _refused_upgrade(record: logging.LogRecord) -> bool:
     return record.getMessage() != "ASGI callable returned without completing handshake."
 
 
-def resolve_format(fmt: str, stream: IO[str]) -> str:
+def resolve_format(fmt: LogFormat, stream: IO[str]) -> LogFormat:
     """The format "auto" means for `stream`: text for a person at a terminal, JSON for
     whatever collects the output (a pipe, a file, a container runtime)."""
-    if fmt != "auto":
+    if fmt != LogFormat.AUTO:
         return fmt
     try:
-        return "text" if stream.isatty() else "json"
+        return LogFormat.TEXT if stream.isatty() else LogFormat.JSON
     except (AttributeError, ValueError):  # no stream, or a closed one
-        return "json"
+        return LogFormat.JSON
 
 
-def configure(level: str, fmt: str) -> None:
+def configure(level: str, fmt: LogFormat) -> None:
     global _sink
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.setFormatter(JsonFormatter() if fmt == LogFormat.JSON else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     flush()  # what the previous handler's sink still held

@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from proxy.config.schema import TracingConfig
+from proxy.config.schema import TracingConfig, TracingMode
 from proxy.ops.record import Outcome, Record
 
 if TYPE_CHECKING:
@@ -48,8 +48,8 @@ class TracingUnavailable(Exception):
 
 def wanted(config: TracingConfig, env: Mapping[str, str]) -> str | None:
     """Why tracing is on ("[tracing] enabled", or the variable that asked), or None: off."""
-    if config.enabled != "auto":
-        return "[tracing] enabled" if config.enabled == "on" else None
+    if config.enabled != TracingMode.AUTO:
+        return "[tracing] enabled" if config.enabled == TracingMode.ON else None
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return None
     exporters = {e.strip() for e in env.get("OTEL_TRACES_EXPORTER", "").lower().split(",")}

@@ -8,7 +8,7 @@ this package asks.
 
 from __future__ import annotations
 
-from proxy.config.schema import RegistryConfig
+from proxy.config.schema import Backend, RegistryConfig
 from proxy.registry.base import BESIDE, Beside, Follow, Lease, Registry
 from proxy.registry.memory import MemoryRegistry
 
@@ -17,7 +17,7 @@ __all__ = ["BESIDE", "Beside", "Follow", "Lease", "MemoryRegistry", "Registry", 
 
 def create(config: RegistryConfig) -> Registry:
     """The backend `[registry]` names."""
-    if config.backend == "redis":
+    if config.backend == Backend.REDIS:
         from proxy.registry.redis import RedisRegistry  # noqa: PLC0415 - optional backend
 
         return RedisRegistry(config)

@@ -31,7 +31,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
-from proxy.config.schema import OnRetry, RegistryConfig
+from proxy.config.schema import OnRetry, OnUnavailable, RegistryConfig
 from proxy.errors import RegistryUnavailable
 from proxy.registry.base import BESIDE, Beside, Follow, Lease, Registry
 from proxy.registry.book import Book, ref
@@ -58,7 +58,7 @@ WARN_EVERY = 5.0  # seconds between "forwarding unfenced" warnings while Redis i
 class RedisRegistry(Registry):
     def __init__(self, config: RegistryConfig) -> None:
         self.config = config
-        self.fail_open = config.on_unavailable != "fail_closed"
+        self.fail_open = config.on_unavailable != OnUnavailable.FAIL_CLOSED
         self.ttl_ms = max(1, int(config.lease_ttl * 1000))
         self._client = connect(config.url)
         db = 0

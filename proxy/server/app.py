@@ -27,7 +27,7 @@ from starlette.types import Send as ASGISend
 
 from proxy import registry as registries
 from proxy.config import egress
-from proxy.config.schema import Config
+from proxy.config.schema import Config, OnUnavailable
 from proxy.ops import status
 from proxy.ops.metrics import scrape_authorized
 from proxy.registry import Registry
@@ -140,13 +140,13 @@ class _App(Starlette):
         await super().__call__(scope, receive, send)
 
 
-def readiness(registry_ok: bool, on_unavailable: str) -> tuple[dict[str, str], int]:
+def readiness(registry_ok: bool, on_unavailable: OnUnavailable) -> tuple[dict[str, str], int]:
     """/_streamfence/readyz's body and status. With the registry down, fail_open still
     serves (unfenced): ready, so that orchestrators keep sending traffic, but saying so;
     fail_closed refuses keyed requests: not ready."""
     if registry_ok:
         return {"status": "ready"}, 200
-    if on_unavailable == "fail_closed":
+    if on_unavailable == OnUnavailable.FAIL_CLOSED:
         return {
             "status": "not ready",
             "registry": "unreachable",
@@ -172,7 +172,7 @@ async def _warn_if_unreachable(registry: Registry, config: Config) -> None:
     where = config.registry.url.rpartition("@")[2]  # never its password
     then = (
         "requests with a turn key are refused with 503 until it does (fail_closed)"
-        if config.registry.on_unavailable == "fail_closed"
+        if config.registry.on_unavailable == OnUnavailable.FAIL_CLOSED
         else "requests are forwarded unfenced until it does (fail_open)"
     )
     startup_log.warning("the turn registry at %s does not answer: %s", where, then)

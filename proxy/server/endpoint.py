@@ -10,7 +10,7 @@ import uuid
 from typing import Any
 
 from proxy.asgi import Receive, Send
-from proxy.config.schema import OnRetry, UpstreamConfig
+from proxy.config.schema import EventIds, OnRetry, UpstreamConfig
 from proxy.errors import BodyTooLarge, NoRoute, StreamfenceError, Unauthorized
 from proxy.ops.record import Outcome, Record, Source, upstream_request_id
 from proxy.runtime import Runtime
@@ -149,7 +149,8 @@ class ProxyEndpoint:
         retired: frozenset[str],
     ) -> Ask:
         stamp = keyed and (
-            up.event_ids == "always" or (up.event_ids == "auto" and record.dialect == dialects.SSE)
+            up.event_ids == EventIds.ALWAYS
+            or (up.event_ids == EventIds.AUTO and record.dialect == dialects.SSE)
         )
         # The proxy's own event ids replace the upstream's: a Last-Event-ID is one of ours.
         drop = self.rt.drop_headers | {LAST_EVENT_ID} if stamp else self.rt.drop_headers

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from proxy import __version__
 from proxy.config import egress
-from proxy.config.schema import Config, from_dict
+from proxy.config.load import from_dict
+from proxy.config.schema import Backend, Config, LogFormat
 from proxy.ops import logs, tracing
 from proxy.server import hooks, shutdown
 
@@ -115,7 +116,7 @@ def startup_lines(
         lines.append(f"  upstream CA certificates: {s.ca_bundle}")
     reg = config.registry
     where = ""
-    if reg.backend == "redis":
+    if reg.backend == Backend.REDIS:
         where = f" at {reg.url.split('@')[-1]} ({reg.on_unavailable} when unreachable)"
     lines.append(f"  registry: {reg.backend}{where}")
     lines += hooks.startup_warnings()
@@ -128,13 +129,13 @@ def startup_lines(
     return lines
 
 
-def announce(lines: list[str], fmt: str) -> None:
+def announce(lines: list[str], fmt: LogFormat) -> None:
     """The startup lines through the log, so that in JSON mode they are JSON too."""
     for line in lines:
         if line.startswith("WARNING: "):
             startup_log.warning(line.removeprefix("WARNING: "))
         else:
-            startup_log.info(line if fmt == "text" else line.strip())
+            startup_log.info(line if fmt == LogFormat.TEXT else line.strip())
 
 
 def uvicorn_options(config: Config) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 import httpx
 
 from proxy.config.egress import EgressPlan, ProxyURL
-from proxy.config.schema import UpstreamConfig
+from proxy.config.schema import HttpTransport, UpstreamConfig
 from proxy.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
 from proxy.upstream import causes, tunnel
 from proxy.upstream.transport import Body, Transport
@@ -98,14 +98,14 @@ def _address(url: httpx.URL) -> str:
 
 def create_client(
     transport: httpx.AsyncBaseTransport | None = None,
-    kind: str = "fast",
+    kind: HttpTransport = HttpTransport.FAST,
     egress: EgressPlan | None = None,
     ssl_context: ssl.SSLContext | None = None,
 ) -> UpstreamClient:
     """The shared upstream client; `kind` ([server] http_transport) picks the transport
     when none is injected, `egress` its proxies, `ssl_context` its CA certificates."""
     egress = egress or EgressPlan()
-    if transport is None and kind == "fast":
+    if transport is None and kind == HttpTransport.FAST:
         # Our own HTTP/1.1 transport: httpx's default (httpcore + h11) costs ~110 us of CPU
         # per relayed event; see proxy/upstream/transport.py and docs/benchmarks.md.
         transport = Transport(

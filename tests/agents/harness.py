@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from proxy.config.schema import load
+from proxy.config.load import load
 from proxy.server.app import create_app
 from tests.agents import claude_binary, codex_binary
 from tests.upstream import Script, ScriptedUpstream, Seen, serve

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.config.schema import load
+from proxy.config.load import load
 from proxy.server.app import create_app
 from tests.stress.schedules import Attempt, Driver, Schedule, driver_client
 from tests.upstream import ScriptedUpstream, serve
