@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.ops.record import Record
+from proxy.ops.record import Record, Source
 from proxy.registry import Lease, MemoryRegistry
 from proxy.turn.buffer import Budget
 from proxy.turn.generation import Ask, Generation
@@ -131,7 +131,7 @@ def _subscribe(
     gen: Generation, client: Client, write_timeout: float = 0.0
 ) -> tuple[Subscriber, asyncio.Task[None], list[Record]]:
     finished: list[Record] = []
-    exchange = Exchange("openai-chat", "turn", "upstream", 0, [], write_timeout)
+    exchange = Exchange("openai-chat", "turn", Source.UPSTREAM, True, 0, [], write_timeout)
     sub = Subscriber(
         gen, exchange, Record("POST", "/v1/chat/completions"), lambda r, e: finished.append(r)
     )

@@ -26,6 +26,7 @@ from typing import IO, Any
 from proxy.config.schema import LogFormat
 from proxy.ops.record import Record
 
+_TEXT = LogFormat.TEXT  # bound once: see proxy/turn/rule.py NEW (every request line)
 logger = logging.getLogger("streamfence")
 # Marks a record whose message is already a whole line in the configured format (the
 # request and supersede lines): the formatters pass it through. One shared dict, so the
@@ -68,7 +69,7 @@ def rfc3339(ts: float) -> str:
 
 def _render(msg: str, data: dict[str, object], fmt: LogFormat) -> str:
     stamp = rfc3339(time.time())
-    if fmt == LogFormat.TEXT:
+    if fmt == _TEXT:
         # For humans: the time first, empty fields left out, values with spaces quoted.
         shown = [f"{k}={_quote(v)}" for k, v in data.items() if v not in (None, "", False)]
         return " ".join([stamp, f"msg={msg}", *shown])

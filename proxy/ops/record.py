@@ -15,7 +15,7 @@ from typing import Any
 class Outcome(StrEnum):
     """How a request ended: the log line's `outcome`, the metrics' label."""
 
-    PENDING = "pending"  # not yet
+    PENDING = "pending"  # not ended yet
     COMPLETED = "completed"  # the whole answer reached the client
     SUPERSEDED = "superseded"  # fenced by a newer generation of its turn
     CLIENT_GONE = "client_gone"  # the client left (or stopped reading) first

@@ -10,7 +10,7 @@ import uuid
 from typing import Any
 
 from proxy.asgi import Receive, Send
-from proxy.config.schema import EventIds, OnRetry, UpstreamConfig
+from proxy.config.schema import EventIds, UpstreamConfig
 from proxy.errors import BodyTooLarge, NoRoute, StreamfenceError, Unauthorized
 from proxy.ops.record import Outcome, Record, Source, upstream_request_id
 from proxy.runtime import Runtime
@@ -24,6 +24,7 @@ from proxy.upstream.routing import RESERVED_PREFIX, request_headers
 from proxy.wire import dialects, turns
 
 REQUEST_ID_HEADER = b"x-request-id"
+_ALWAYS, _AUTO = EventIds.ALWAYS, EventIds.AUTO  # bound once: see proxy/turn/rule.py NEW
 LAST_EVENT_ID = b"last-event-id"
 
 
@@ -133,7 +134,9 @@ class ProxyEndpoint:
             rt.metrics.child(rt.metrics.generations, up.name).inc()
         record.source = placed.how
         timeout = rt.config.server.write_timeout
-        exchange = Exchange(record.dialect, record.turn, placed.how, placed.cursor, own, timeout)
+        exchange = Exchange(
+            record.dialect, record.turn, placed.how, placed.started, placed.cursor, own, timeout
+        )
         return placed.generation, exchange
 
     def _ask(
@@ -149,8 +152,7 @@ class ProxyEndpoint:
         retired: frozenset[str],
     ) -> Ask:
         stamp = keyed and (
-            up.event_ids == EventIds.ALWAYS
-            or (up.event_ids == EventIds.AUTO and record.dialect == dialects.SSE)
+            up.event_ids == _ALWAYS or (up.event_ids == _AUTO and record.dialect == dialects.SSE)
         )
         # The proxy's own event ids replace the upstream's: a Last-Event-ID is one of ours.
         drop = self.rt.drop_headers | {LAST_EVENT_ID} if stamp else self.rt.drop_headers
@@ -159,7 +161,7 @@ class ProxyEndpoint:
             out_headers.append((REQUEST_ID_HEADER, record.request_id.encode()))
         if self.rt.tracer is not None:  # the request's span; upstream gets its
             out_headers = self.rt.tracer.start(record, headers, out_headers)  # traceparent
-        followable = keyed and up.on_retry != OnRetry.SUPERSEDE
+        followable = keyed and self.rt.policies[up.name].shares
         return Ask(
             request=build_request(record.method, route.url, out_headers, body, up),
             upstream=up.name,

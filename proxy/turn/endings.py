@@ -5,6 +5,7 @@ counted as. Pure."""
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Final
 
 from proxy.errors import StreamfenceError
 from proxy.ops.record import Outcome
@@ -27,16 +28,31 @@ class Reach(StrEnum):
     RACE = "race"
 
 
-def outcome(cause: Cause | None, delivered: bool, error: StreamfenceError | None) -> Outcome:
-    """How a client's request ended, from the cause recorded when it was cancelled."""
-    if cause is Cause.WRITE_TIMEOUT:
-        return Outcome.CLIENT_GONE
+# Bound once, as the rule's actions are (proxy/turn/rule.py): this runs for every request.
+_TIMEOUT, _COMPLETED, _GONE, _FAILED = (
+    Cause.WRITE_TIMEOUT,
+    Outcome.COMPLETED,
+    Outcome.CLIENT_GONE,
+    Outcome.UPSTREAM_ERROR,
+)
+_BY_CAUSE: Final = {
+    Cause.SUPERSEDED: Outcome.SUPERSEDED,
+    Cause.SHUTDOWN: Outcome.SHUTDOWN,
+    Cause.CLIENT_GONE: Outcome.CLIENT_GONE,
+}
+
+
+def ending(
+    cause: Cause | None, delivered: bool, error: StreamfenceError | None
+) -> tuple[Outcome, str]:
+    """How a client's request ended, from the cause recorded when it was cancelled, and the
+    error code that says so where the cause is one (a write timeout counts even after the
+    last event: the client took nothing)."""
+    if cause is _TIMEOUT:
+        return _GONE, "client_write_timeout"
     if delivered:
-        return Outcome.COMPLETED
-    if cause is Cause.SUPERSEDED:
-        return Outcome.SUPERSEDED
-    if cause is Cause.SHUTDOWN:
-        return Outcome.SHUTDOWN
-    if cause is Cause.CLIENT_GONE or error is None:
-        return Outcome.CLIENT_GONE
-    return Outcome.UPSTREAM_ERROR
+        return _COMPLETED, ""
+    by_cause = _BY_CAUSE.get(cause) if cause is not None else None
+    if by_cause is not None:
+        return by_cause, ""
+    return (_GONE if error is None else _FAILED), ""

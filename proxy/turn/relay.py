@@ -26,11 +26,12 @@ from proxy.errors import StreamfenceError, Superseded, UpstreamError, kept
 from proxy.ops.record import Outcome, Record, Source
 from proxy.registry import Lease
 from proxy.tasks import run_now
-from proxy.turn.endings import Cause, Reach, outcome
+from proxy.turn.endings import Cause, Reach, ending
 from proxy.turn.generation import Generation
 from proxy.turn.writes import Exchange, WriteGuard, cut, error_response_parts, response_start
 from proxy.wire import dialects
 
+_PENDING = Outcome.PENDING  # bound once: see proxy/turn/rule.py NEW
 # The largest last write that also ends the response: under the transport's high-water mark
 # (uvicorn's and uvloop's 64 KiB), so that it cannot leave the transport paused unseen.
 END_WITH_LAST_MAX = 16 * 1024
@@ -210,7 +211,7 @@ class Subscriber:
             raise gen.headers_error()
         self.record.status = gen.status
         self.record.attempt = 0 if gen.lease is None else gen.lease.attempt
-        if self.ex.source in (Source.UPSTREAM, Source.BESIDE):
+        if self.ex.went_upstream:
             self.record.forwarded_at = gen.forwarded_at
             self.record.upstream_headers_at = gen.headers_at
         if not gen.is_sse:
@@ -331,11 +332,10 @@ class Subscriber:
 
     def _finish(self) -> None:
         record = self.record
-        if record.outcome == Outcome.PENDING:
-            record.outcome = outcome(self.cause, self.delivered, self.error)
-            if self.cause is Cause.WRITE_TIMEOUT:  # even after the last event: took nothing
-                record.error = "client_write_timeout"
+        if record.outcome is _PENDING:
+            record.outcome, code = ending(self.cause, self.delivered, self.error)
+            record.error = code or record.error
         record.finished_at = time.perf_counter()
         # The error once per upstream failure: its generation's first client reports it.
-        own = self.cause is None and self.ex.source in (Source.UPSTREAM, Source.BESIDE)
+        own = self.cause is None and self.ex.went_upstream
         self.on_finish(record, self.error if own else None)

@@ -38,6 +38,14 @@ class Action(StrEnum):
     STALE = "stale"  # a retry of a version the running generation replaced: refused
 
 
+# The members the rule and the table use for every request, bound to module names: on Python
+# 3.11 each `Action.NEW` goes through EnumType.__getattr__'s hook, about a thousand
+# instructions (3.12 made it a plain lookup); a module name is one dict lookup.
+NEW, FOLLOW, BESIDE = Action.NEW, Action.FOLLOW, Action.BESIDE
+NOTHING_LEFT, STALE = Action.NOTHING_LEFT, Action.STALE
+_SUPERSEDE, _JOIN = OnRetry.SUPERSEDE, OnRetry.JOIN
+
+
 @dataclass(frozen=True, slots=True)
 class Policy:
     """An upstream's settings that the rule reads."""
@@ -46,8 +54,13 @@ class Policy:
     healthy_within: float
     replay_fingerprints: bool
 
+    @property
+    def shares(self) -> bool:
+        """Its generations may be followed (on_retry is not supersede)."""
+        return self.on_retry != _SUPERSEDE
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(slots=True)  # (not frozen: per request; see table.Placed)
 class Attempt:
     """What decides a request's place: its body's identity and how it asks."""
 
@@ -57,7 +70,7 @@ class Attempt:
     last_event_id: bytes | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen: per request; see table.Placed)
 class Decision:
     action: Action
     generation: Generation | None = None  # the one to follow, or the one a new one replaces
@@ -72,38 +85,38 @@ def retry(identical: bool, same_mode: bool, healthy: bool, on_retry: OnRetry) ->
 
     `identical`: the same canonical body; `same_mode`: the same streaming mode; `healthy`:
     the generation sent content within healthy_within (proxy/wire/health.py)."""
-    if on_retry == OnRetry.SUPERSEDE or not identical:
-        return Action.NEW
+    if on_retry == _SUPERSEDE or not identical:
+        return NEW
     if not same_mode:
         # Never the other mode's body: beside a healthy one, else it replaces the stalled one.
-        return Action.BESIDE if healthy else Action.NEW
-    return Action.FOLLOW if healthy or on_retry == OnRetry.JOIN else Action.NEW
+        return BESIDE if healthy else NEW
+    return FOLLOW if healthy or on_retry == _JOIN else NEW
 
 
 def decide(live: Generation | None, attempt: Attempt, policy: Policy, now: float) -> Decision:
     """Where `attempt` goes, given its turn's generation in this process (`now`: monotonic)."""
     if live is None or live.fenced or live.closing or attempt.body_hash is None:
-        return Decision(Action.NEW)  # (closing: its last client left; its upstream is going)
+        return Decision(NEW)  # (closing: its last client left; its upstream is going)
     ask = live.ask
     identical = ask.body_hash == attempt.body_hash
     if not identical and attempt.body_hash in ask.retired:
         replaced_by = None if live.lease is None else live.lease.attempt
-        return Decision(Action.STALE, live, replaced_by=replaced_by)
-    if policy.on_retry == OnRetry.SUPERSEDE or not identical:
-        return Decision(Action.NEW, live)
+        return Decision(STALE, live, replaced_by=replaced_by)
+    if policy.on_retry == _SUPERSEDE or not identical:
+        return Decision(NEW, live)
     resume = live.cursor_after(attempt.last_event_id)
     same_mode = ask.streaming == attempt.streaming
     if live.done:
         return _after_the_end(live, attempt, policy, resume, same_mode)
     action = retry(True, same_mode, live.healthy(policy.healthy_within, now), policy.on_retry)
-    if action is Action.BESIDE:
-        return Decision(Action.BESIDE, how=Source.BESIDE)
-    if action is Action.NEW:
-        return Decision(Action.NEW, live)
+    if action is BESIDE:
+        return Decision(BESIDE, how=Source.BESIDE)
+    if action is NEW:
+        return Decision(NEW, live)
     if not live.followable:
-        return Decision(Action.NEW, live, refused="buffer_over_cap")
+        return Decision(NEW, live, refused="buffer_over_cap")
     how = Source.FOLLOWED if resume is None else Source.RESUMED
-    return Decision(Action.FOLLOW, live, resume or 0, how)
+    return Decision(FOLLOW, live, resume or 0, how)
 
 
 def _after_the_end(
@@ -112,8 +125,8 @@ def _after_the_end(
     """An identical request for a generation whose reader is done: a replay of a completed,
     retained one (replay_window), in the same mode, that may be replayed; else anew."""
     if live.completed and resume is not None and resume == live.last_id:
-        return Decision(Action.NOTHING_LEFT, live)
+        return Decision(NOTHING_LEFT, live)
     replayable = attempt.explicit or resume is not None or policy.replay_fingerprints
     if not (live.completed and live.retained and replayable and same_mode):
-        return Decision(Action.NEW, live)
-    return Decision(Action.FOLLOW, live, resume or 0, Source.REPLAYED)
+        return Decision(NEW, live)
+    return Decision(FOLLOW, live, resume or 0, Source.REPLAYED)

@@ -16,14 +16,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from proxy.config.schema import OnRetry
 from proxy.errors import StaleRetry
 from proxy.ops.record import Source
 from proxy.registry import Follow, Lease, Registry
 from proxy.turn.buffer import Budget
 from proxy.turn.generation import Ask, Generation
 from proxy.turn.remote import RemoteGeneration, cursor_after
-from proxy.turn.rule import Action, Attempt, Decision, Policy, decide
+from proxy.turn.rule import (
+    BESIDE,
+    FOLLOW,
+    NEW,
+    NOTHING_LEFT,
+    STALE,
+    Attempt,
+    Decision,
+    Policy,
+    decide,
+)
 from proxy.upstream.client import UpstreamClient
 from proxy.wire.turns import TurnKey
 
@@ -39,25 +48,22 @@ RETIRED_SECONDS: Final = 120.0
 # The request's Ask, built by the caller once its place is known: whether it is keyed (a new
 # generation of its turn; not beside one) and the versions of the turn it replaces.
 AskFor = Callable[[bool, frozenset[str]], Ask]
+_UPSTREAM = Source.UPSTREAM  # bound once: see rule.NEW
 
 
 class NothingLeft(Exception):
     """A resume from the last event of a completed generation: nothing more to send."""
 
 
-@dataclass(frozen=True, slots=True)
-class Placed:
+@dataclass(slots=True)  # not frozen: a frozen dataclass sets each field through
+class Placed:  # object.__setattr__, a few hundred instructions a field, every request
     """Where a request was placed: the generation its client reads, and how."""
 
     generation: Generation
     how: Source
     cursor: int = 0  # read from after this event number
     refused: str = ""  # why an identical request could not follow (counted)
-
-    @property
-    def started(self) -> bool:
-        """It started the generation (it went upstream)."""
-        return self.how in (Source.UPSTREAM, Source.BESIDE)
+    started: bool = False  # it started the generation (it went upstream)
 
 
 class Generations:
@@ -97,20 +103,20 @@ class Generations:
         """The one placement step: the generation the request reads. Raises NothingLeft
         (a resume after the very end) or StaleRetry (a retry of a replaced version)."""
         if turn is None:
-            return Placed(self.start(ask_for(False, frozenset())), Source.UPSTREAM)
+            return Placed(self.start(ask_for(False, frozenset())), _UPSTREAM, started=True)
         explicit = turn.source == "header"
         attempt = Attempt(turn.body_fingerprint, turn.streaming, explicit, last_event_id)
         decision = self.decide(turn.key, attempt, policy, time.monotonic())
-        if decision.action is Action.FOLLOW:
+        if decision.action is FOLLOW:
             assert decision.generation is not None
             return Placed(decision.generation, decision.how, decision.cursor)
-        if decision.action is Action.NOTHING_LEFT:
+        if decision.action is NOTHING_LEFT:
             raise NothingLeft
-        if decision.action is Action.STALE:
+        if decision.action is STALE:
             raise StaleRetry(decision.replaced_by)
         retired = _retired(decision.generation)
         lease, action = None, decision.action
-        if action is Action.NEW and self._publishes(turn, policy):
+        if action is NEW and self._publishes(turn, policy):
             assert turn.body_fingerprint is not None
             answer = await self.registry.claim_or_follow(
                 turn.key,
@@ -127,17 +133,16 @@ class Generations:
             if isinstance(answer, Lease):
                 lease = answer
             else:  # beside it: fences nobody, fenced by nobody
-                action = Action.BESIDE
-        keyed = action is not Action.BESIDE
+                action = BESIDE
+        keyed = action is not BESIDE
         generation = self.start(ask_for(keyed, retired if keyed else frozenset()), lease)
-        how = Source.UPSTREAM if keyed else Source.BESIDE
-        return Placed(generation, how, refused=decision.refused)
+        how = _UPSTREAM if keyed else Source.BESIDE
+        return Placed(generation, how, refused=decision.refused, started=True)
 
     def _publishes(self, turn: TurnKey, policy: Policy) -> bool:
         """A new followable generation of `turn` is published for other processes: its
         place is decided against theirs, in Redis (`claim_or_follow`)."""
-        followable = policy.on_retry != OnRetry.SUPERSEDE
-        return followable and turn.body_fingerprint is not None and self.log is not None
+        return policy.shares and turn.body_fingerprint is not None and self.log is not None
 
     def decide(self, key: str, attempt: Attempt, policy: Policy, now: float) -> Decision:
         """`decide` against the turn's live generation; with none, what the table remembers
@@ -148,13 +153,13 @@ class Generations:
         final = self._final.get(key)
         if final is not None and attempt.last_event_id is not None:
             if attempt.last_event_id.strip() == final:
-                return Decision(Action.NOTHING_LEFT)
+                return Decision(NOTHING_LEFT)
         retired = self._retired.get(key)
         if retired is not None and attempt.body_hash is not None:
             ended, bodies, replaced_by = retired
             if now - ended < RETIRED_SECONDS and attempt.body_hash in bodies:
-                return Decision(Action.STALE, replaced_by=replaced_by)
-        return Decision(Action.NEW)
+                return Decision(STALE, replaced_by=replaced_by)
+        return Decision(NEW)
 
     def start(self, ask: Ask, lease: Lease | None = None) -> Generation:
         """A new generation of `ask` (`lease`: its turn claimed already)."""

@@ -35,6 +35,7 @@ class Exchange:
     dialect: str
     turn_short: str  # "" when the request has no turn key
     source: Source  # how it was served (x-streamfence-source)
+    went_upstream: bool  # it started the generation it reads (not a follower)
     cursor: int  # start after this event number of the generation
     extra_headers: list[tuple[bytes, bytes]]
     write_timeout: float = 0.0  # seconds one client write may block; 0: no limit
