@@ -1,6 +1,8 @@
-"""What a package index shows: the README's links work off the repository (absolute), the
-metadata names the licence by SPDX (PEP 639) and ships its file, and the project has URLs,
-classifiers and keywords. The wheel itself is built and inspected in test_ops_docker.py."""
+"""What a reader of the repository and a package index see: the README's and the docs' links
+resolve in a clone (relative: offline, on any host), every "CONTRACT section N" names a section
+of docs/contract.md, the metadata names the licence by SPDX (PEP 639) and ships its file, and
+the project has URLs, classifiers and keywords. The wheel itself is built and inspected in
+test_ops_docker.py."""
 
 from __future__ import annotations
 
@@ -12,14 +14,49 @@ ROOT = Path(__file__).resolve().parent.parent
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
-def test_readme_links_are_absolute() -> None:
-    readme = (ROOT / "README.md").read_text()
-    targets = re.findall(r"\]\(([^)\s]+)\)", readme)
-    assert targets, "no links found: the pattern is broken"
-    relative = [t for t in targets if not t.startswith(("https://", "http://", "#"))]
-    assert relative == [], f"relative links break on a package index: {relative}"
-    # The pictures too (an index renders images from absolute URLs only).
-    assert "raw.githubusercontent.com/streamfence/streamfence/main/docs/" in readme
+DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor, as GitHub (and most renderers) make it."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_links_in_the_readme_and_docs_resolve_in_the_repository() -> None:
+    # Relative, so that they work in a clone, offline, and on any host of the repository
+    # (the status page's picture included): each names a file that exists and, with an
+    # anchor, a heading of it. Absolute links to the project's own repository go stale.
+    checked = 0
+    for doc in DOCS:
+        text = doc.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith(("https://", "http://", "mailto:")):
+                assert "github.com/streamfence" not in target, f"{doc.name}: {target}"
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            assert file.exists(), f"{doc.relative_to(ROOT)}: {target} does not exist"
+            if anchor and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", file.read_text(), flags=re.MULTILINE)
+                assert anchor in {_slug(h) for h in headings}, f"{doc.name}: {target}"
+            checked += 1
+    assert checked > 20, "no links found: the pattern is broken"
+
+
+def test_every_contract_reference_resolves() -> None:
+    # Code and docs cite "CONTRACT section N": docs/contract.md, shipped with the project.
+    sections = set(re.findall(r"^## (\d+)\. ", (ROOT / "docs/contract.md").read_text(), re.M))
+    assert sections == {str(n) for n in range(1, 9)}
+    files = [*DOCS, *ROOT.glob("proxy/**/*.py"), *ROOT.glob("tests/**/*.py")]
+    cited = {
+        (f.name, n)
+        for f in files
+        if "node_modules" not in f.parts
+        for n in re.findall(r"CONTRACT(?: section|,? section)? (\d+)", f.read_text())
+    }
+    assert cited, "no references found: the pattern is broken"
+    assert {n for _, n in cited} <= sections, sorted(c for c in cited if c[1] not in sections)
 
 
 def test_licence_metadata_follows_pep_639() -> None:
@@ -47,8 +84,9 @@ def test_index_metadata() -> None:
 
 def test_readme_says_to_install_in_its_own_environment() -> None:
     readme = (ROOT / "README.md").read_text()
+    assert "environment of its own" in readme
     assert "`proxy.py`" in readme  # why: the same import name, `proxy`
-    assert "python3 -m venv ~/.streamfence" in readme
+    assert "python3 -m venv ~/.streamfence" in (ROOT / "docs/operations.md").read_text()
 
 
 def _shell_blocks(readme: str) -> list[str]:
