@@ -171,9 +171,9 @@ def superseded_message(attempt: int, newer: int | None = None) -> str:
 
 
 def kept(error: E) -> E:
-    """`error`, to be kept on an object that outlives the raise (a generation, a client),
-    without the tracebacks of its chain: their frames refer back to that object, a cycle that
-    only the garbage collector would free (docs/benchmarks.md, "the host, and garbage"). What
+    """`error`, to be kept on an object that outlives the raise (a generation, a client), without
+    the tracebacks of its chain: their frames refer back to that object, a cycle that only the
+    garbage collector would free (docs/history/benchmarks-2026-12.md, "the host, and garbage"). What
     is logged of an error is its type, message and cause (`proxy.upstream.causes`), never its
     frames."""
     current: BaseException | None = error

@@ -3,8 +3,8 @@ whose first step runs at once, not at the event loop's next iteration.
 
 `run_now` exists for the end of every request: its subscriber leaves its generation (the
 last one closes the upstream and releases the lease), shielded from a cancellation from
-outside. Most of the time that needs no wait at all, and a task and a shield for it were
-3 % of a short request's instructions (python -m bench.instructions); only when it has to
+outside. Most of the time that needs no wait at all, and a task and a shield for it were a
+visible share of a short request's instructions (python -m bench.instructions); only when it has to
 wait does the rest become a task, which the caller then shields as before.
 
 `start_eagerly` exists for the start of every request (proxy/server/eager.py).

@@ -1,11 +1,11 @@
 """A finished request leaves nothing to the garbage collector: reference counting frees every
 object of the proxy's as soon as the request is done, fenced, followed or abandoned.
 
-Why it matters (docs/benchmarks.md, "Garbage"): cycles through a generation's lease callback,
-its cancelled reader's exception, a subscriber's write guard and an upstream connection's
-parser made every request's objects cyclic garbage, 78,000 objects per 1,000 requests under
-bench B5. The collections that freed them took a fifth of the proxy's CPU, and their pauses
-(3-8 ms for the middle generation, 16-27 ms for the oldest) were B5's p99.
+Why it matters (docs/history/benchmarks-2026-12.md, "the host, and garbage"): cycles through a
+generation's lease callback, its cancelled reader's exception, a subscriber's write guard and an
+upstream connection's parser made every request's objects cyclic garbage, 78,000 objects per 1,000
+requests under bench B5. The collections that freed them took a fifth of the proxy's CPU, and their
+pauses (3-8 ms for the middle generation, 16-27 ms for the oldest) were B5's p99.
 """
 
 from __future__ import annotations

@@ -414,7 +414,7 @@ async def test_stress_identical_requests_routed_at_random_over_three_processes(
                 rest = [e async for e in got]
             texts = "".join(e.text for e in [first, *rest])
             if tolerate and rest and "failed in the process that sent it" in rest[-1].data:
-                # The known race (README, "Following a generation on another process"): the
+                # The known race (docs/redis.md, "Following a generation on another process"): the
                 # writer's last local client left between this follower's claim and its
                 # registration as a reader. A clear error, never a cut answer that looks whole.
                 raced.append(i)

@@ -87,8 +87,8 @@ class ServerConfig:
     log_format: LogFormat = LogFormat.AUTO
     workers: int = 1
     # The upstream HTTP client's transport: "fast" (proxy/upstream/transport.py, HTTP/1.1 on
-    # the event loop with httptools) or "httpx" (httpx's own, httpcore + h11: ~3x the CPU per event,
-    # kept as a fallback; docs/benchmarks.md).
+    # the event loop with httptools) or "httpx" (httpx's own, httpcore + h11: several times the
+    # CPU per event, kept as a fallback; docs/performance.md).
     http_transport: HttpTransport = HttpTransport.FAST
     # All generation buffers of the process together (what followers read).
     join_buffer_total_bytes: int = 256 * 1024 * 1024

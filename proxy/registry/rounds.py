@@ -1,11 +1,11 @@
 """Many script calls in one round trip to Redis: `send_round`, and `Batcher`, which sends
 the calls of many callers (claims, releases) together.
 
-redis-py spends 150-230 us of CPU per command on this machine, about half of it the
-system call that writes it; a pipeline of ten costs about 50 us a command, of a hundred 30
-(bench notes in docs/benchmarks.md). A process under load makes many calls at once, so
-batching them costs nothing when it is quiet (a round of one is one command) and saves
-most of the cost when it is busy, which is when the cost matters.
+redis-py spends more CPU per command than the rest of a claim, about half of it the system call that
+writes it; in a pipeline each command costs a fraction of that (docs/history/benchmarks-2026-12.md,
+"Redis under load"). A process under load makes many calls at once, so batching them costs nothing
+when it is quiet (a round of one is one command) and saves most of the cost when it is busy, which
+is when the cost matters.
 """
 
 from __future__ import annotations

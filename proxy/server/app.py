@@ -121,7 +121,7 @@ def create_app(
 
 class _App(Starlette):
     """Starlette for the proxy's own endpoints (/_streamfence/...); every other request
-    goes straight to the proxy endpoint: profiled (docs/benchmarks.md), Starlette's
+    goes straight to the proxy endpoint: profiled (docs/performance.md), Starlette's
     middleware and routing layers wrapped every relayed write. What they add, error pages
     and routing, the endpoint does itself (a bare /_streamfence included: 404)."""
 

@@ -3,12 +3,11 @@
 libuv (and so uvloop) accepts one connection per event-loop iteration since 1.45 ("unix:
 don't accept() connections in a loop", libuv#3696): it counts on level-triggered polling to
 wake it again for the next one. That is cheap on an idle server, but the next iteration comes
-only after everything else that was ready has run. Measured in bench B5 (docs/benchmarks.md):
-with the loop busy relaying 200 streams (iterations of 10-40 ms), one accept per iteration
-admitted ~100 connections a second while 500 arrived, the listening socket's queue grew to
-430 connections, and a supersede waited seconds in the kernel before the proxy saw it (its own
-fence took 0.05 ms). asyncio's own loop accepts up to the backlog at each wake-up; this does
-the same on uvloop.
+only after everything else that was ready has run. Under load (bench B5, docs/performance.md)
+the loop is busy relaying for milliseconds an iteration, fewer connections were admitted than
+arrived, the listening socket's queue grew to hundreds, and a supersede waited seconds in the
+kernel before the proxy saw it, where its own fence takes a fraction of a millisecond.
+asyncio's own loop accepts up to the backlog at each wake-up; this does the same on uvloop.
 
 `Loop` is the loop uvicorn is told to use (`loop="proxy.server.listen:Loop"`, a custom loop
 factory): uvloop's loop, whose `create_server` on an already-bound socket accepts here and

@@ -225,10 +225,10 @@ def worker_app() -> Starlette:
 
 def freeze_startup_objects() -> None:
     """What the process holds after its imports lives as long as the process: moved out of
-    the cyclic collector's sight, a full collection scans only what requests created. In
-    the benchmark (B5) a full collection otherwise paused the event loop for ~22 ms, and
-    every request arriving meanwhile waited. (Rarer young collections were measured too:
-    `gc.set_threshold(7000, 10, 10)` took the collector from 2.0 % to 1.6 % of the CPU under
-    bench B3 and added 10-20 MB to B4's peak RSS, so the thresholds stay Python's.)"""
+    the cyclic collector's sight, a full collection scans only what requests created. Under
+    load (bench B5) a full collection otherwise paused the event loop for tens of
+    milliseconds, and every request arriving meanwhile waited. (Rarer young collections saved
+    little CPU and raised the peak memory of many streams, so the thresholds stay Python's:
+    docs/history/benchmarks-2026-12.md, "the host, and garbage".)"""
     gc.collect()
     gc.freeze()

@@ -106,8 +106,8 @@ def create_client(
     when none is injected, `egress` its proxies, `ssl_context` its CA certificates."""
     egress = egress or EgressPlan()
     if transport is None and kind == HttpTransport.FAST:
-        # Our own HTTP/1.1 transport: httpx's default (httpcore + h11) costs ~110 us of CPU
-        # per relayed event; see proxy/upstream/transport.py and docs/benchmarks.md.
+        # Our own HTTP/1.1 transport: httpx's default (httpcore + h11) costs several times
+        # the CPU per relayed event (proxy/upstream/transport.py; docs/performance.md).
         transport = Transport(
             max_idle_per_host=MAX_IDLE_CONNECTIONS, ssl_context=ssl_context, egress=egress
         )
@@ -222,8 +222,8 @@ def build_request(
 
 @functools.lru_cache(maxsize=256)
 def _parsed(url: str) -> httpx.URL:
-    # httpx parses a URL in Python (5% of the CPU of a short request); an agent asks the
-    # same few URLs over and over. (httpx.URL is immutable: a Request shares it.)
+    # httpx parses a URL in Python, a visible share of a short request's CPU; an agent asks
+    # the same few URLs over and over. (httpx.URL is immutable: a Request shares it.)
     return httpx.URL(url)
 
 

@@ -257,7 +257,7 @@ class Connection(asyncio.Protocol):
             return future.result()
         if seconds is not None:
             # One lazily re-armed timer per connection, not one per wait: a relayed event
-            # is one wait, and a timer set and cancelled per event was ~5% of its cost.
+            # is one wait, and a timer set and cancelled per event was a visible share of it.
             loop = self.loop
             self._deadline = loop.time() + seconds
             if self._timer is None or self._timer.when() > self._deadline:

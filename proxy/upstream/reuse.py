@@ -22,7 +22,7 @@ HINT_CAP = 60.0
 # that is a 502 with its cause, the request sent once; on a link slower than 100 ms the rare
 # late race becomes a 502 too, which the official SDKs retry themselves: never a request
 # asked twice by the proxy. (Go's transport never resends a POST it has written; this one
-# resends only inside that window: README, "What the contract leaves open".)
+# resends only inside that window: docs/contract.md, "What the contract leaves open".)
 RESEND_WITHIN = 0.1
 
 

@@ -1,8 +1,8 @@
 """A small HTTP/1.1 transport for httpx, on the event loop, with httptools' parser.
 
-Why not httpx's own (httpcore + h11): profiled in the benchmark (docs/benchmarks.md), h11,
-httpcore and anyio cost about 110 us of CPU per relayed event and over a millisecond to
-the first token. Here a connection is an asyncio.Protocol that httptools (C) parses
+Why not httpx's own (httpcore + h11): profiled in the benchmark (docs/performance.md), h11,
+httpcore and anyio cost more than the rest of the proxy per relayed event, and added most of
+its time to the first token. Here a connection is an asyncio.Protocol that httptools (C) parses
 responses for (proxy/upstream/connection.py). httpx stays the client API; this is only its
 transport, and the pool of idle connections.
 
