@@ -27,6 +27,7 @@ import httpx
 
 from proxy.errors import StreamfenceError, UpstreamError
 from proxy.registry import Lease, Registry
+from proxy.registry.genlog.meta import End
 from proxy.tasks import spawn
 from proxy.turn.buffer import Budget, EventBuffer
 from proxy.upstream import client as upstream
@@ -201,10 +202,8 @@ class Generation:
             await self._close_response()
             self._read_over()
             if self.writer is not None:
-                outcome = (
-                    "superseded" if self.fenced else "completed" if self.completed else "failed"
-                )
-                spawn(self.writer.end(outcome))
+                done = End.COMPLETED if self.completed else End.FAILED
+                spawn(self.writer.end(End.SUPERSEDED if self.fenced else done))
             if self.retained and self.completed and not self.fenced:
                 loop = asyncio.get_running_loop()
                 self._expiry = loop.call_later(self.ask.retain_for, self._unretain)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from proxy.errors import GenerationLost, UpstreamError
 from proxy.registry import Follow, Lease, Registry
+from proxy.registry.genlog.meta import End
 from proxy.turn.buffer import Budget
 from proxy.turn.generation import Ask, Generation
 from proxy.upstream import client as upstream
@@ -99,9 +100,9 @@ class RemoteGeneration(Generation):
             self.headers_ready.set()
             async for batch in reader:
                 await self._take(batch.events, stamp=False)  # stamped by the writer already
-            if reader.outcome == "completed":
+            if reader.outcome is End.COMPLETED:
                 self.completed = True
-            elif reader.outcome == "superseded":
+            elif reader.outcome is End.SUPERSEDED:
                 superseded = True
             else:
                 self.error = UpstreamError(
