@@ -13,8 +13,8 @@ it locally), whose reader reads the log instead of an upstream:
 
 - fenced when this process hears a newer claim of the turn (`Registry.watch`), or when
   the log says the writer was superseded, whichever comes first;
-- its readers are counted by the writer, which keeps the upstream open while any process
-  still reads it (`Generation.detach`);
+- its readers are counted by the writer, its generation's tee, and the generation keeps its
+  upstream open while any process still reads it (`proxy.turn.tee.hold`);
 - the writer's process dying, or Redis losing the log, ends it with `GenerationLost`
   within `DETECT_WITHIN` (3 s): a clear error event, never a clean end of a cut answer;
 - its health is the writer's: judged (proxy.wire.health) from the log's `last` stamp, which

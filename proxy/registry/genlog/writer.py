@@ -19,7 +19,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from proxy.errors import RegistryUnavailable, StreamfenceError
 from proxy.registry.genlog.meta import End
@@ -45,17 +45,6 @@ class _Write(NamedTuple):
 
 
 HEARTBEAT_WRITE = _Write("", [], [])
-
-
-class Published(Protocol):
-    """The generation a writer publishes, as `LogWriter.hold` sees it."""
-
-    done: bool  # its reader has finished
-    finished: asyncio.Event  # ... and its upstream is closed
-
-    def watched(self) -> bool: ...  # a client in this process reads it
-
-    async def close_for_want_of_clients(self) -> None: ...
 
 
 class LogWriter:
@@ -157,26 +146,6 @@ class LogWriter:
     def reopen(self) -> None:
         """Undo the end that `readers_elsewhere` wrote when it found none (in the background)."""
         spawn(self.store.reopen(self._keys))
-
-    async def hold(self, generation: Published) -> None:
-        """No client of `generation` is left in this process: its upstream stays open while
-        other processes read the log, and closes once none does (readers are counted with a
-        TTL: a crashed process's stop counting within a few seconds)."""
-        try:
-            while True:
-                readers = await self.readers_elsewhere()
-                if generation.watched():  # a client here again: the last one to leave decides
-                    if not readers:
-                        self.reopen()
-                    return
-                if generation.done or not readers:
-                    break
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(generation.finished.wait(), HEARTBEAT)
-        except Exception:  # whatever went wrong, the upstream and the lease must not leak
-            log.exception("streamfence: counting a generation's readers elsewhere failed")
-        if not generation.watched():
-            await generation.close_for_want_of_clients()
 
     # The publisher's side.
 
