@@ -42,6 +42,9 @@ from proxy.wire.sse import event_id, resumes_after, with_id
 
 log = logging.getLogger("streamfence")
 
+# How a published generation's log ends, bound once: see proxy/turn/rule.py NEW.
+_COMPLETED, _FAILED, _SUPERSEDED = End.COMPLETED, End.FAILED, End.SUPERSEDED
+
 
 @dataclass(frozen=True, slots=True)
 class Ask:
@@ -198,8 +201,8 @@ class Generation:
             await self._close_response()
             self._read_over()
             if self.tee is not None:
-                done = End.COMPLETED if self.completed else End.FAILED
-                spawn(self.tee.end(End.SUPERSEDED if self.fenced else done))
+                done = _COMPLETED if self.completed else _FAILED
+                spawn(self.tee.end(_SUPERSEDED if self.fenced else done))
             if self.retained and self.completed and not self.fenced:
                 loop = asyncio.get_running_loop()
                 self._expiry = loop.call_later(self.ask.retain_for, self._unretain)
