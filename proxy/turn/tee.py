@@ -1,10 +1,12 @@
 """A generation's tee: besides its clients, what takes a copy of its answer as it is read.
 
-The table attaches one to each generation it publishes for other processes (the generation
-log's writer, `proxy.registry.genlog.writer.LogWriter`; `proxy.turn.table.Generations.start`),
-as a client is attached: the generation tells it its start (status and headers), the events
-of every read and its end, and never waits for it on the per-event path. The tee knows no
-generation; the generation knows its tee only by this interface.
+The table gives each generation it publishes for other processes the maker of its tee
+(`proxy.turn.table.Generations.start`): the generation log's writer
+(`proxy.registry.genlog.writer.LogWriter`), made once the generation holds its turn, whose
+token names the log. From then on the tee is attached as a client is: the generation tells
+it its start (status and headers), the events of every read and its end, and never waits for
+it on the per-event path. The tee knows no generation; the generation knows its tee only by
+this interface.
 
 The tee also says whether anyone reads through it elsewhere, and when a generation's upstream
 closes for want of clients is decided here, in turn/, with that answer (`hold`): once no
@@ -25,15 +27,15 @@ from proxy.registry.genlog.timing import HEARTBEAT
 
 log = logging.getLogger("streamfence")
 
-# How often a held generation asks its tee again: the writer recounts the log's readers with
-# every write, and at least every HEARTBEAT; asking more often would learn nothing new.
+# How often a held generation asks its tee again: the writer recounts the log's readers at
+# least every HEARTBEAT (with its writes, or its heartbeat); asking more often learns nothing.
 RECHECK = HEARTBEAT
 
 
 class Tee(Protocol):
     """What a generation tells its tee. `started` and `append` never wait."""
 
-    broken: bool  # it gave up (Redis failed it): nothing more is published, nobody reads it
+    broken: bool  # it gave up (its store failed): nothing more is published, nobody reads it
 
     def started(self, status: int, headers: Sequence[tuple[str, str]]) -> None: ...
 
