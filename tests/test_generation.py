@@ -7,7 +7,7 @@ stops reading after an overflow."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import httpx
@@ -15,9 +15,12 @@ import pytest
 
 from proxy.ops.record import Record, Source
 from proxy.registry import Lease, MemoryRegistry
+from proxy.registry.genlog.meta import End
+from proxy.turn import tee as tees
 from proxy.turn.buffer import Budget
 from proxy.turn.generation import Ask, Generation
 from proxy.turn.relay import Subscriber
+from proxy.turn.tee import Tee, TeeFor
 from proxy.turn.writes import Exchange
 from proxy.upstream.client import UpstreamClient
 from proxy.upstream.transport import Transport as FastTransport
@@ -108,6 +111,7 @@ def _generation(
     over: httpx.AsyncBaseTransport | None = None,
     url: str = "http://upstream.test",
     registry: MemoryRegistry | None = None,
+    tee: TeeFor | None = None,
 ) -> Generation:
     """A generation of one streaming chat request, read from `feed` (or `over` a real
     transport, from the upstream at `url`)."""
@@ -124,7 +128,7 @@ def _generation(
     )
     transport = over or Transport(feed or Feed())
     client = UpstreamClient(transport)
-    return Generation(ask, client, registry or MemoryRegistry(), Budget(1 << 30))
+    return Generation(ask, client, registry or MemoryRegistry(), Budget(1 << 30), tee=tee)
 
 
 def _subscribe(
@@ -474,3 +478,132 @@ async def test_the_reader_ends_its_clients_response_with_the_last_read(
 
 def _chunked(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class RecordingTee:
+    """A stand-in for the generation log's writer: records what its generation tells it, and
+    answers `readers_elsewhere` with the counts the test puts in `readers`, when it does."""
+
+    def __init__(self) -> None:
+        self.broken = False
+        self.told: list[tuple[str, object]] = []
+        self.readers: asyncio.Queue[int] = asyncio.Queue()
+        self.asked = 0
+        self.asking = asyncio.Event()  # set whenever the generation asks
+        self.reopened = 0
+        self.ended = asyncio.Event()
+        self.reopening = asyncio.Event()
+
+    def started(self, status: int, headers: Sequence[tuple[str, str]]) -> None:
+        self.told.append(("started", status))
+
+    def append(self, events: Sequence[bytes], content: bool = True) -> None:
+        self.told.extend(("event", e) for e in events)
+
+    async def end(self, outcome: End) -> None:
+        self.told.append(("end", outcome))
+        self.ended.set()
+
+    async def readers_elsewhere(self) -> int:
+        self.asked += 1
+        self.asking.set()
+        return await self.readers.get()
+
+    def reopen(self) -> None:
+        self.reopened += 1
+        self.reopening.set()
+
+    def maker(self) -> tuple[TeeFor, list[int]]:
+        """What the table would give the generation, and the tokens it was made for."""
+        tokens: list[int] = []
+
+        def tee_for(token: int) -> Tee:
+            tokens.append(token)
+            return self
+
+        return tee_for, tokens
+
+    async def asked_at_least(self, n: int) -> None:
+        while self.asked < n:
+            self.asking.clear()
+            await asyncio.wait_for(self.asking.wait(), 5)
+
+
+async def test_a_published_generation_tells_its_tee_its_start_its_events_and_its_end() -> None:
+    tee = RecordingTee()
+    tee_for, tokens = tee.maker()
+    feed = Feed()
+    gen = _generation(feed, tee=tee_for)
+    client = Client()
+    _, task, _ = _subscribe(gen, client)
+    for item in (b"data: one\n\n", b"data: two\n\n", b""):
+        feed.queue.put_nowait(item)
+    await asyncio.wait_for(task, 5)
+    await asyncio.wait_for(tee.ended.wait(), 5)  # told in a task of its own
+    assert tokens == [gen.token]  # made once, for the token its turn was claimed with
+    assert tee.told == [
+        ("started", 200),
+        ("event", b"data: one\n\n"),
+        ("event", b"data: two\n\n"),
+        ("end", End.COMPLETED),
+    ]
+
+
+async def test_with_no_client_here_the_upstream_stays_open_while_its_tee_has_readers_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tees, "RECHECK", 0.01)  # the writer's recount: every second
+    tee = RecordingTee()
+    feed = Feed()
+    gen, client, task, _ = await _one_event_written_to(feed, tee)
+    tee.readers.put_nowait(1)
+    client.leave()
+    await asyncio.wait_for(task, 5)
+    await tee.asked_at_least(2)  # asked again after the answer "one reader elsewhere"
+    assert not feed.closed.is_set() and not gen.done
+    tee.readers.put_nowait(0)  # the last reader elsewhere left
+    await asyncio.wait_for(feed.closed.wait(), 5)
+    await asyncio.wait_for(gen.finished.wait(), 5)
+    assert tee.reopened == 0
+
+
+async def test_a_client_here_again_keeps_the_upstream_and_reopens_what_its_tee_closed() -> None:
+    tee = RecordingTee()
+    feed = Feed()
+    gen, first, task, _ = await _one_event_written_to(feed, tee)
+    first.leave()
+    await asyncio.wait_for(task, 5)
+    await tee.asked_at_least(1)
+    again = Client()
+    _, task, finished = _subscribe(gen, again)  # attaches while the tee is being asked
+    await again.wait_bodies(1)
+    tee.readers.put_nowait(0)  # none elsewhere: the tee closed itself to new readers
+    await asyncio.wait_for(tee.reopening.wait(), 5)
+    assert not feed.closed.is_set()  # the client here reads on
+    feed.queue.put_nowait(b"data: two\n\n")
+    feed.queue.put_nowait(b"")
+    await asyncio.wait_for(task, 5)
+    assert b"data: two" in b"".join(again.bodies) and finished[0].outcome == "completed"
+
+
+async def test_a_broken_tee_does_not_hold_the_upstream_for_readers_elsewhere() -> None:
+    tee = RecordingTee()
+    tee.broken = True  # it stopped publishing: nobody elsewhere reads it any more
+    feed = Feed()
+    _, client, task, _ = await _one_event_written_to(feed, tee)
+    client.leave()
+    await asyncio.wait_for(task, 5)
+    assert feed.closed.is_set()  # closed by the leaving client itself, not in the background
+    assert tee.asked == 0
+
+
+async def _one_event_written_to(
+    feed: Feed, tee: RecordingTee
+) -> tuple[Generation, Client, asyncio.Task[None], list[Record]]:
+    """A published generation with one client, which has been written its first event."""
+    gen = _generation(feed, tee=tee.maker()[0])
+    client = Client()
+    _, task, finished = _subscribe(gen, client)
+    feed.queue.put_nowait(b"data: one\n\n")
+    await client.wait_bodies(1)
+    return gen, client, task, finished

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.registry.genlog.log import DETECT_WITHIN
+from proxy.registry.genlog.log import DETECT_WITHIN, LogWriter
 from proxy.registry.redis import RedisRegistry
 from tests.conftest import Proxy, ProxyFactory
 from tests.netlink import Link
@@ -345,8 +345,8 @@ async def test_a_log_redis_lost_mid_stream_is_counted_and_the_answer_stays_whole
         assert (await anext(got)).text == "L0 "
         assert pa.runtime.generations is not None
         (generation,) = pa.runtime.generations._live.values()
-        writer = generation.writer
-        assert writer is not None
+        writer = generation.tee  # the generation log's writer
+        assert isinstance(writer, LogWriter)
         await writer.flushed()  # the first event is in the log...
         metas = [k async for k in r.scan_iter("streamfence:{*}:gen:*:meta")]
         assert len(metas) == 1

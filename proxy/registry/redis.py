@@ -35,7 +35,8 @@ from proxy.config.schema import OnRetry, OnUnavailable, RegistryConfig
 from proxy.errors import RegistryUnavailable
 from proxy.registry.base import BESIDE, Beside, Follow, Lease, Registry
 from proxy.registry.book import Book, ref
-from proxy.registry.genlog.log import CHECK_EVERY, DEAD_AFTER, READER_TTL, GenerationLog
+from proxy.registry.genlog.log import GenerationLog
+from proxy.registry.genlog.timing import CHECK_EVERY, DEAD_AFTER, READER_TTL
 from proxy.registry.handshake import Handshake
 from proxy.registry.listener import Subscriber
 from proxy.registry.redisio import (
@@ -177,11 +178,12 @@ class RedisRegistry(Registry):
         """One atomic step (scripts.CLAIM_OR_FOLLOW): follow the turn's generation in
         another process (`Follow`), go beside it (`BESIDE`), or claim a new one, whose
         generation log is created with the claim (`Lease`)."""
-        log = self.generation_log()
-        args: list[str | int] = [self.ttl_ms, self.channel, key, log.prefix(key), body_hash]
+        store = self.generation_log().store
+        args: list[str | int] = [self.ttl_ms, self.channel, key, store.prefix(key), body_hash]
         args += ["1" if streaming else "0", int(healthy_within * 1000), str(on_retry)]
         reader_id = uuid.uuid4().hex
-        args += [log.ttl_ms, log.maxlen, int(DEAD_AFTER * 1000), reader_id, int(READER_TTL * 1000)]
+        dead_after, reader_ttl = int(DEAD_AFTER * 1000), int(READER_TTL * 1000)
+        args += [store.ttl_ms, store.maxlen, dead_after, reader_id, reader_ttl]
         answer: Lease | Follow | Beside = await self._claim_with(key, self._claim_or_follow, args)
         if isinstance(answer, Follow):
             return answer._replace(reader_id=reader_id)

@@ -12,6 +12,10 @@ callback cancels the reader (its upstream is closed, not drained) and tells ever
 subscriber, which then writes the superseded frame. The upstream is also closed when the
 last subscriber leaves. The lease is held until the last subscriber is gone, so that events
 still in the buffer stay under the fence.
+
+A generation published for other processes has a tee (`proxy.turn.tee`, given by the table):
+the generation log's writer, told its start, its events and its end; when the last
+subscriber here leaves, the upstream stays open while the tee says others still read it.
 """
 
 from __future__ import annotations
@@ -21,23 +25,25 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import httpx
 
 from proxy.errors import StreamfenceError, UpstreamError
 from proxy.registry import Lease, Registry
+from proxy.registry.genlog.meta import End
 from proxy.tasks import spawn
 from proxy.turn.buffer import Budget, EventBuffer
+from proxy.turn.tee import Tee, TeeFor, hold
 from proxy.upstream import client as upstream
 from proxy.upstream.client import UpstreamClient
 from proxy.wire import dialects, health
 from proxy.wire.sse import event_id, resumes_after, with_id
 
-if TYPE_CHECKING:
-    from proxy.registry.genlog.log import GenerationLog, LogWriter
-
 log = logging.getLogger("streamfence")
+
+# How a published generation's log ends, bound once: see proxy/turn/rule.py NEW.
+_COMPLETED, _FAILED, _SUPERSEDED = End.COMPLETED, End.FAILED, End.SUPERSEDED
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,20 +85,20 @@ class Generation:
         registry: Registry | None,
         budget: Budget,
         on_end: Callable[[Generation], None] = lambda g: None,
-        log: GenerationLog | None = None,
         lease: Lease | None = None,
+        tee: TeeFor | None = None,
     ) -> None:
         self.ask = ask
-        self._claimed = lease  # the turn was claimed before (with its log: claim_or_follow)
-        self._opened = lease is not None
+        self._claimed = lease  # the turn was claimed before (claim_or_follow)
         if lease is None and ask.key is not None and registry is not None:
             # Claimed (and the older generation fenced) in the request's own step where the
             # backend allows it: the reader starts a loop iteration later, tens of ms under
             # bench B5's load.
             self._claimed = registry.claim_now(ask.key)
-        # Published to Redis for followers in other processes (`proxy.turn.remote`), if given.
-        self._log = log
-        self.writer: LogWriter | None = None
+        # Published for followers in other processes (`proxy.turn.remote`), if given: what
+        # makes its tee (`proxy.turn.tee`), once it holds its turn.
+        self._tee_for = tee
+        self.tee: Tee | None = None
         self._client, self._registry, self._on_end = client, registry, on_end
         self.followable = ask.followable
         self.lease: Lease | None = None
@@ -168,14 +174,8 @@ class Generation:
                 self.lease.on_superseded(self._superseded)
                 if self.fenced:
                     return
-                if self._log is not None and self.followable and self.lease.token > 0:
-                    self.writer = self._log.writer(
-                        ask.key,
-                        self.lease.token,
-                        body_hash=ask.body_hash or "",
-                        streaming=ask.streaming,
-                        opened=self._opened,
-                    )
+                if self._tee_for is not None and self.lease.token > 0:  # < 0: unfenced
+                    self.tee = self._tee_for(self.lease.token)
             self.forwarded_at = time.perf_counter()
             self.response = await self._client.send(ask.request, ask.upstream)
             self.headers_at = time.perf_counter()
@@ -183,9 +183,9 @@ class Generation:
             self.status = self.response.status_code
             self.raw_headers = self.response.headers.raw
             self.is_sse = upstream.is_event_stream(self.response)
-            if self.writer is not None:
+            if self.tee is not None:
                 pairs = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in self.raw_headers]
-                self.writer.started(self.status, pairs)
+                self.tee.started(self.status, pairs)
             self.headers_ready.set()
             if self.is_sse:
                 self.completed = await upstream.read_events(
@@ -200,11 +200,9 @@ class Generation:
         finally:
             await self._close_response()
             self._read_over()
-            if self.writer is not None:
-                outcome = (
-                    "superseded" if self.fenced else "completed" if self.completed else "failed"
-                )
-                spawn(self.writer.end(outcome))
+            if self.tee is not None:
+                done = _COMPLETED if self.completed else _FAILED
+                spawn(self.tee.end(_SUPERSEDED if self.fenced else done))
             if self.retained and self.completed and not self.fenced:
                 loop = asyncio.get_running_loop()
                 self._expiry = loop.call_later(self.ask.retain_for, self._unretain)
@@ -249,8 +247,8 @@ class Generation:
         if stamp and self.ask.stamp_ids:
             events = [with_id(e, self.event_id(before + 1 + i)) for i, e in enumerate(events)]
         buffer.add(events)
-        if self.writer is not None:
-            self.writer.append(events, content)
+        if self.tee is not None:
+            self.tee.append(events, content)
         watchers = self._watchers
         sole = next(iter(watchers)) if len(watchers) == 1 else None
         if sole is not None and sole.parked and sole.cursor == before:
@@ -349,10 +347,11 @@ class Generation:
             if not self.followable:
                 self._trim()
             return
-        if not self.done and self.writer is not None and not self.writer.broken:
-            # Other processes may read it: they decide, in the background (no await here,
-            # where a local twin could attach meanwhile).
-            spawn(self.writer.hold(self))
+        tee = self.tee
+        if not self.done and tee is not None and not tee.broken:
+            # Other processes may read it through its tee: their readers decide, in the
+            # background (no await here, where a local twin could attach meanwhile).
+            spawn(hold(self, tee))
             return
         await self.close_for_want_of_clients()
 

@@ -13,8 +13,8 @@ it locally), whose reader reads the log instead of an upstream:
 
 - fenced when this process hears a newer claim of the turn (`Registry.watch`), or when
   the log says the writer was superseded, whichever comes first;
-- its readers are counted by the writer, which keeps the upstream open while any process
-  still reads it (`Generation.detach`);
+- its readers are counted by the writer, its generation's tee, and the generation keeps its
+  upstream open while any process still reads it (`proxy.turn.tee.hold`);
 - the writer's process dying, or Redis losing the log, ends it with `GenerationLost`
   within `DETECT_WITHIN` (3 s): a clear error event, never a clean end of a cut answer;
 - its health is the writer's: judged (proxy.wire.health) from the log's `last` stamp, which
@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from proxy.errors import GenerationLost, UpstreamError
 from proxy.registry import Follow, Lease, Registry
+from proxy.registry.genlog.meta import End
 from proxy.turn.buffer import Budget
 from proxy.turn.generation import Ask, Generation
 from proxy.upstream import client as upstream
@@ -99,9 +100,9 @@ class RemoteGeneration(Generation):
             self.headers_ready.set()
             async for batch in reader:
                 await self._take(batch.events, stamp=False)  # stamped by the writer already
-            if reader.outcome == "completed":
+            if reader.outcome is End.COMPLETED:
                 self.completed = True
-            elif reader.outcome == "superseded":
+            elif reader.outcome is End.SUPERSEDED:
                 superseded = True
             else:
                 self.error = UpstreamError(

@@ -14,6 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
 from proxy.errors import StaleRetry
@@ -33,6 +34,7 @@ from proxy.turn.rule import (
     Policy,
     decide,
 )
+from proxy.turn.tee import TeeFor
 from proxy.upstream.client import UpstreamClient
 from proxy.wire.turns import TurnKey
 
@@ -162,9 +164,11 @@ class Generations:
         return Decision(NEW)
 
     def start(self, ask: Ask, lease: Lease | None = None) -> Generation:
-        """A new generation of `ask` (`lease`: its turn claimed already)."""
+        """A new generation of `ask` (`lease`: its turn claimed already, and its log made
+        with the claim), with a tee if it is published."""
+        tee = None if self.log is None else _tee(self.log, ask, opened=lease is not None)
         generation = Generation(
-            ask, self.client, self.registry, self.budget, self._ended, log=self.log, lease=lease
+            ask, self.client, self.registry, self.budget, self._ended, lease=lease, tee=tee
         )
         if ask.followable and ask.key is not None:
             self._live[ask.key] = generation
@@ -205,3 +209,13 @@ def _retired(replaced: Generation | None) -> frozenset[str]:
     if replaced is None or replaced.done or replaced.ask.body_hash is None:
         return frozenset()
     return replaced.ask.retired | {replaced.ask.body_hash}
+
+
+def _tee(log: GenerationLog, ask: Ask, *, opened: bool) -> TeeFor | None:
+    """What publishes a followable generation for other processes: its log's writer, made
+    once the generation holds its turn (the log is named by its token). `opened`: the claim
+    made the log already."""
+    if not ask.followable or ask.key is None:
+        return None
+    body_hash, streaming = ask.body_hash or "", ask.streaming
+    return partial(log.writer, ask.key, body_hash=body_hash, streaming=streaming, opened=opened)

@@ -1,15 +1,7 @@
 """The generation log: a generation's events in Redis, so that a process other than the one
 holding its upstream can follow it (from the start, or after an event index, then live).
-
-Per generation (turn K, token T), three keys under K's hash tag (one slot, so every script
-is one round trip, on one server or a cluster):
-    streamfence:{K}:gen:T          a Redis Stream: 'o' opened, 's' started (status, headers),
-                                   'b' batch (the complete events of one upstream read:
-                                   first index, lengths, bytes), 'e' end (outcome)
-    streamfence:{K}:gen:T:meta     a hash: body hash, streaming mode, status, headers, `at`
-                                   (the writer's last stamp), `last` (health: content only),
-                                   `ended`
-    streamfence:{K}:gen:T:readers  a sorted set: reader id -> expiry (Redis's clock)
+`GenerationLog` makes its writers (`writer`) and readers (`reader`); what they share is the
+`store` (keys, scripts, what a log says), their time bounds are in `timing`.
 
 Why Streams, not pub/sub plus a list: a follower must read what was sent before it came
 and then the live events with nothing lost or doubled between the two. A Stream gives both
@@ -17,14 +9,12 @@ from one key with one cursor (XREAD BLOCK from the last id seen), trimmed by MAX
 expired like any key; pub/sub would need a subscription per follower, a separate list for
 the catch-up, and a handover between them that can drop or repeat a batch; and a cluster
 keeps a Stream on its slot's node while plain pub/sub fans every message out to every node.
-Measured on this 2-core machine (bench/genlog.py, loopback): see the README's Redis section.
+Measured on this 2-core machine (bench/genlog.py, loopback): see docs/performance.md.
 
-Liveness: the writer stamps `at` with every write and at least every HEARTBEAT (1 s). A
-reader checks every CHECK_EVERY (0.5 s), with Redis's own clock, and raises
-`GenerationLost("writer_gone")` once the stamp is older than DEAD_AFTER (2 s): a dead
-writer is detected within DETECT_WITHIN = 3 s, never a hang. The same check re-registers
-the reader (READER_TTL 3 s), so the writer's stamps return how many readers any process
-still has (`LogWriter.readers`), and a crashed reader stops counting after 3 s.
+Liveness (`timing`): the writer stamps the log at least every HEARTBEAT; a reader that finds
+the stamp older than DEAD_AFTER raises `GenerationLost("writer_gone")`, within DETECT_WITHIN
+of the writer's death, never a hang. Readers re-register (READER_TTL), so the writer counts
+how many any process still has (`LogWriter.readers`).
 
 Failures never reach the writer's caller: a write that Redis refuses (unreachable, OOM
 under maxmemory) or a log Redis lost (restarted, evicted) marks the writer `broken`; it stops
@@ -33,25 +23,24 @@ publishing and its generation carries on locally. Readers get `GenerationLost`.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
-from typing import NamedTuple
 
 from proxy.errors import GenerationLost, RegistryUnavailable
+from proxy.registry.genlog.meta import Current, End, Meta, Start
 from proxy.registry.genlog.publisher import Publisher
-from proxy.registry.genlog.reader import (
+from proxy.registry.genlog.reader import Batch, LogReader
+from proxy.registry.genlog.store import MAXLEN, Store
+from proxy.registry.genlog.timing import (
     CHECK_EVERY,
     DEAD_AFTER,
     DETECT_WITHIN,
+    HEARTBEAT,
+    LINGER,
     READER_TTL,
-    Batch,
-    LogReader,
-    Meta,
-    Start,
+    TTL,
 )
-from proxy.registry.genlog.scripts import CURRENT, FOLLOW, OPEN, READERS, WRITE
-from proxy.registry.genlog.writer import HEARTBEAT, OUTCOMES, LogWriter
-from proxy.registry.redisio import PREFIX, Client, Keys, translate
+from proxy.registry.genlog.writer import OUTCOMES, LogWriter
+from proxy.registry.redisio import Client
 
 __all__ = [
     "CHECK_EVERY",
@@ -62,6 +51,7 @@ __all__ = [
     "READER_TTL",
     "Batch",
     "Current",
+    "End",
     "GenerationLog",
     "GenerationLost",
     "LogReader",
@@ -70,18 +60,11 @@ __all__ = [
     "Start",
 ]
 
-MAXLEN = 10_000  # batches kept per generation (approximate: whole macro nodes go)
-TTL = 30.0  # a running log's keys live this long after its writer's last stamp
-LINGER = 60.0  # an ended log's keys, for late resumes and replays
-
-
-class Current(NamedTuple):
-    token: int
-    attempt: int
-    meta: Meta | None  # None: the holder publishes no log (or it expired)
-
 
 class GenerationLog:
+    """The generation logs on one Redis: their writers and readers, and the one task that
+    sends every writer's writes (`publisher`)."""
+
     def __init__(
         self,
         client: Client,
@@ -91,19 +74,7 @@ class GenerationLog:
         ttl: float = TTL,
         linger: float = LINGER,
     ) -> None:
-        self.client = client
-        # Blocking reads (XREAD BLOCK CHECK_EVERY) want a socket timeout longer than the
-        # block itself; on `client` a loaded event loop would turn the block's own reply
-        # into a timeout, and a healthy follower into "Redis unreachable".
-        self.reads = reads or client
-        self.maxlen = maxlen
-        self.ttl_ms = int(ttl * 1000)
-        self.linger_ms = int(linger * 1000)
-        self._open = client.register_script(OPEN)
-        self._write = client.register_script(WRITE)
-        self._follow = client.register_script(FOLLOW)
-        self._current = client.register_script(CURRENT)
-        self._readers = client.register_script(READERS)
+        self.store = Store(client, reads=reads, maxlen=maxlen, ttl=ttl, linger=linger)
         self._publisher: Publisher | None = None
         # Called with the reason when a writer stops publishing (the app counts them).
         self.abandoned_hook: Callable[[str], None] | None = None
@@ -111,7 +82,7 @@ class GenerationLog:
     def publisher(self) -> Publisher:
         """The one task that sends every writer's writes (`publisher`), made on first use."""
         if self._publisher is None:
-            self._publisher = Publisher(self.client)
+            self._publisher = Publisher(self.store.client)
         return self._publisher
 
     async def close(self) -> None:
@@ -119,14 +90,9 @@ class GenerationLog:
             await self._publisher.close()
 
     @staticmethod
-    def prefix(key: str) -> str:
-        """The turn's log keys up to the token (scripts build the rest)."""
-        return f"{PREFIX}{{{key}}}:gen:"
-
-    @classmethod
-    def keys(cls, key: str, token: int) -> list[str]:
-        base = f"{cls.prefix(key)}{token}"
-        return [base, base + ":meta", base + ":readers"]
+    def keys(key: str, token: int) -> list[str]:
+        """The log of generation `token` of turn `key`: stream, meta, readers."""
+        return Store.keys(key, token)
 
     def writer(
         self, key: str, token: int, *, body_hash: str, streaming: bool, opened: bool = False
@@ -134,7 +100,16 @@ class GenerationLog:
         """Start publishing generation `token` of `key`. Never waits and never raises: the
         log is created by the writer's first write, in its own task (`opened`: by the
         claim already, `RedisRegistry.claim_or_follow`)."""
-        return LogWriter(self, key, token, body_hash, streaming, opened)
+        return LogWriter(
+            self.store,
+            self.publisher(),
+            key,
+            token,
+            body_hash,
+            streaming,
+            opened,
+            abandoned=self._abandoned,
+        )
 
     async def open(self, key: str, token: int, *, body_hash: str, streaming: bool) -> LogWriter:
         """`writer`, once the log exists; raises `RegistryUnavailable` if it could not be made."""
@@ -150,29 +125,21 @@ class GenerationLog:
         """A registered reader of the log: batches from the start, or after event index
         `after`. Raises `GenerationLost` if there is no such log or its writer is gone.
         `reader_id`: the id it was registered under already (`claim_or_follow`)."""
-        reader = LogReader(self, key, token, after, reader_id)
+        reader = LogReader(self.store, key, token, after, reader_id)
         await reader.check()
         reader.keep_alive()
         return reader
 
     async def current(self, key: str) -> Current | None:
         """The turn's current holder and its log's meta: one round trip."""
-        with translate("current"):
-            reply = await self._current(keys=[Keys.entry(key)], args=[self.prefix(key)])
-        if len(reply) < 3:
-            return None
-        meta = Meta.parse(int(reply[0]), reply[3]) if reply[3] else None
-        return Current(int(reply[1]), int(reply[2]), meta)
-
-    async def reopen(self, key: str, token: int) -> None:
-        """Undo `readers(close_if_none=True)`: its writer carries on after all."""
-        with contextlib.suppress(RegistryUnavailable), translate("reopen"):
-            await self.client.hdel(self.keys(key, token)[1], "ended")
+        return await self.store.current(key)
 
     async def readers(self, key: str, token: int, *, close_if_none: bool = False) -> int:
         """Readers registered on any process (and not expired). `close_if_none`: if there
         are none, mark the log ended in the same step (its writer is about to stop)."""
-        _, meta, readers = self.keys(key, token)
-        with translate("readers"):
-            args = ["1" if close_if_none else "0"]
-            return int(await self._readers(keys=[readers, meta], args=args))
+        return await self.store.readers(self.keys(key, token), close_if_none=close_if_none)
+
+    def _abandoned(self, reason: str) -> None:
+        # Looked up at each call: the app sets the hook after the log is made.
+        if self.abandoned_hook is not None:
+            self.abandoned_hook(reason)

@@ -14,27 +14,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from proxy.registry.genlog.writer import HEARTBEAT
+from proxy.registry.genlog.timing import SWEEP
 from proxy.registry.redisio import RETRY_AFTER, Call, Client
 from proxy.registry.rounds import send_round
 
-if TYPE_CHECKING:
-    from proxy.registry.genlog.writer import LogWriter
 
-SWEEP = HEARTBEAT / 4  # how often quiet writers are looked at for a due heartbeat
+class Outbox(Protocol):
+    """A writer (`writer.LogWriter`), as the publisher sees it: its writes, one at a time."""
+
+    def take(self, now: float) -> Call | None: ...  # its next write, if one is due
+
+    def answered(self, reply: Any, now: float) -> None: ...  # ... and Redis's reply to it
 
 
 class Publisher:
     def __init__(self, client: Client) -> None:
         self.client = client
-        self._writers: set[LogWriter] = set()  # publishing: each gets heartbeats
-        self._ready: dict[LogWriter, None] = {}  # with a write queued (ordered: fair)
+        self._writers: set[Outbox] = set()  # publishing: each gets heartbeats
+        self._ready: dict[Outbox, None] = {}  # with a write queued (ordered: fair)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-    def add(self, writer: LogWriter) -> None:
+    def add(self, writer: Outbox) -> None:
         self._writers.add(writer)
         if self._task is None or self._task.done():
             # Runs while any writer publishes; ends with the last (nothing left behind).
@@ -42,11 +45,11 @@ class Publisher:
                 self._run(), name="streamfence-log-publisher"
             )
 
-    def wake(self, writer: LogWriter) -> None:
+    def wake(self, writer: Outbox) -> None:
         self._ready[writer] = None
         self._wake.set()
 
-    def remove(self, writer: LogWriter) -> None:
+    def remove(self, writer: Outbox) -> None:
         self._writers.discard(writer)
         self._ready.pop(writer, None)
 
@@ -72,10 +75,10 @@ class Publisher:
             if await self._round(writers, now):
                 await asyncio.sleep(RETRY_AFTER)
 
-    async def _round(self, writers: list[LogWriter], now: float) -> bool:
+    async def _round(self, writers: list[Outbox], now: float) -> bool:
         """Send each writer's next write; True if any failed."""
         calls: list[Call] = []
-        sent: list[LogWriter] = []
+        sent: list[Outbox] = []
         for writer in writers:
             call = writer.take(now)
             if call is not None:

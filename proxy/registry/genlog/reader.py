@@ -3,7 +3,7 @@
 A reader reads the stream with XREAD BLOCK from the last entry id it has seen, so the
 catch-up and the live part are one loop with one cursor: nothing lost or doubled between
 them. Every CHECK_EVERY a task of its own re-registers it (however slowly its batches are
-consumed) and checks the writer's stamp against Redis's clock.
+consumed) and checks the writer's stamp against Redis's clock (`timing`).
 """
 
 from __future__ import annotations
@@ -14,66 +14,23 @@ import json
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
-
-from redis.asyncio.cluster import RedisCluster
+from collections.abc import Awaitable, Callable
+from typing import NamedTuple, TypeVar
 
 from proxy.errors import GenerationLost, RegistryUnavailable
-from proxy.registry.redisio import patiently, translate
+from proxy.registry.genlog.meta import End, Meta, Start
+from proxy.registry.genlog.store import Store
+from proxy.registry.genlog.timing import CHECK_EVERY, DEAD_AFTER, DETECT_WITHIN
+from proxy.registry.redisio import patiently
 
-if TYPE_CHECKING:
-    from proxy.registry.genlog.log import GenerationLog
-
-DEAD_AFTER = 2.0  # a writer whose stamp is older than this (Redis's clock) is gone
-CHECK_EVERY = 0.5  # a reader re-registers and checks the writer this often
-DETECT_WITHIN = DEAD_AFTER + 2 * CHECK_EVERY  # a check, then a blocked read returning
-READER_TTL = 3.0  # a reader that stops refreshing is not counted after this
 READ_COUNT = 512  # entries per XREAD
 
-
-class Start(NamedTuple):
-    status: int
-    headers: list[tuple[str, str]]
+T = TypeVar("T")
 
 
 class Batch(NamedTuple):
     first: int  # the index of events[0] in the generation (0-based)
     events: list[bytes]
-
-
-@dataclass(frozen=True, slots=True)
-class Meta:
-    body_hash: str
-    streaming: bool
-    start: Start | None
-    ended: str | None  # an outcome once the end marker is written
-    events: int  # events published so far
-    since_write: float  # seconds since the writer's last stamp (Redis's clock)
-    # Seconds since the later of the request, the response headers and the last batch with
-    # content (proxy.wire.health: keep-alives do not count), by Redis's clock.
-    since_activity: float
-
-    @classmethod
-    def parse(cls, now_ms: int, pairs: Sequence[bytes]) -> Meta:
-        m = {pairs[i].decode(): pairs[i + 1].decode() for i in range(0, len(pairs) - 1, 2)}
-        start = None
-        if "status" in m:
-            start = Start(int(m["status"]), [tuple(h) for h in json.loads(m["headers"])])
-        return cls(
-            body_hash=m.get("body", ""),
-            streaming=m.get("mode") == "1",
-            start=start,
-            ended=m.get("ended"),
-            events=int(m.get("next", 0)),
-            since_write=(now_ms - int(m["at"])) / 1000,
-            since_activity=(now_ms - int(m["last"])) / 1000,
-        )
-
-    @property
-    def writer_alive(self) -> bool:
-        return self.ended is not None or self.since_write <= DEAD_AFTER
 
 
 class LogReader:
@@ -82,19 +39,19 @@ class LogReader:
 
     def __init__(
         self,
-        log: GenerationLog,
+        store: Store,
         key: str,
         token: int,
         after: int | None,
         reader_id: str | None = None,
     ) -> None:
-        self.log, self.key, self.token = log, key, token
+        self.store, self.key, self.token = store, key, token
         self.id = reader_id or uuid.uuid4().hex
         self.start: Start | None = None
-        self.outcome: str | None = None
+        self.outcome: End | None = None
         self.meta: Meta | None = None
         self.checked_at = 0.0  # when `meta` was read (time.monotonic)
-        self._keys = log.keys(key, token)
+        self._keys = store.keys(key, token)
         self._last_id: bytes = b"0-0"
         self._next = 0 if after is None else after + 1  # the first index still wanted
         self._ready: deque[Batch] = deque()
@@ -105,12 +62,11 @@ class LogReader:
 
     async def check(self) -> Meta:
         """Refresh the registration; raise if the log is gone or its writer stopped."""
-        args: list[str | int] = ["" if self._closed else self.id, int(READER_TTL * 1000)]
-        args.append(self.log.ttl_ms)
-        reply = await self._patiently(lambda: self.log._follow(keys=self._keys, args=args))
-        if len(reply) < 2:
+        reader_id = "" if self._closed else self.id
+        meta = await self._patiently(lambda: self.store.follow(self._keys, reader_id))
+        if meta is None:
             raise GenerationLost("not_found" if self.meta is None else "lost", _MESSAGES["lost"])
-        self.meta = meta = Meta.parse(int(reply[0]), reply[1:])
+        self.meta = meta
         self.checked_at = time.monotonic()
         if self.start is None:
             self.start = meta.start
@@ -155,25 +111,15 @@ class LogReader:
     async def _pull(self) -> None:
         if self._error is not None:
             raise self._error
-        reply = await self._patiently(self._xread)
+        block = int(CHECK_EVERY * 1000)
+        stream, after = self._keys[0], self._last_id
+        reply = await self._patiently(lambda: self.store.read(stream, after, READ_COUNT, block))
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
                 self._last_id = entry_id
                 self._take(fields)
                 if self.outcome is not None:
                     return
-
-    async def _xread(self) -> Any:
-        client, stream = self.log.reads, self._keys[0]
-        block = int(CHECK_EVERY * 1000)
-        if not isinstance(client, RedisCluster):
-            return await client.xread({stream: self._last_id}, count=READ_COUNT, block=block)
-        await client.initialize()  # the slot map (once; a no-op after)
-        # Named node: the cluster client would otherwise ask a node for XREAD's keys
-        # (COMMAND GETKEYS) before every read, a second round trip.
-        args = ("COUNT", READ_COUNT, "BLOCK", block, "STREAMS", stream, self._last_id)
-        node = client.get_node_from_key(stream)
-        return await client.execute_command("XREAD", *args, target_nodes=node)
 
     def _take(self, f: dict[bytes, bytes]) -> None:
         kind = f.get(b"k")
@@ -193,12 +139,12 @@ class LogReader:
             pairs = json.loads(f[b"h"])
             self.start = Start(int(f[b"s"]), [tuple(h) for h in pairs])
         elif kind == b"e":
-            outcome = f[b"o"].decode()
-            if outcome == "lost":
+            outcome = End(f[b"o"].decode())
+            if outcome is End.LOST:
                 raise GenerationLost("lost", _MESSAGES["lost"])
             self.outcome = outcome
 
-    async def _patiently(self, call: Callable[[], Awaitable[Any]]) -> Any:
+    async def _patiently(self, call: Callable[[], Awaitable[T]]) -> T:
         """`call`; GenerationLost once Redis has not answered this reader for DETECT_WITHIN,
         as long as the silence that declares a writer dead."""
         try:
@@ -218,8 +164,7 @@ class LogReader:
             self._keepalive.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._keepalive
-        with contextlib.suppress(RegistryUnavailable), translate("unregister"):
-            await self.log.client.zrem(self._keys[2], self.id)
+        await self.store.unregister(self._keys, self.id)
 
     async def __aenter__(self) -> LogReader:
         return self

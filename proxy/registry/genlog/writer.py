@@ -5,9 +5,9 @@
 coalescing the batches that queued up meanwhile, and stamps a quiet writer's liveness at
 least every HEARTBEAT. A failed write is tried again until no write of that writer has
 succeeded for DEAD_AFTER; then, or when Redis lost the log, the writer is `broken` (logged
-once): it stops publishing, and its generation carries on locally. When its generation has
-no client left in this process, the writer keeps its upstream open while other processes
-still read the log (`hold`).
+once): it stops publishing, and its generation carries on locally. It also counts the log's
+readers on every process (`readers_elsewhere`): whether the generation's upstream stays open
+once no client of its own process reads it is the generation's decision (proxy.turn.tee).
 """
 
 from __future__ import annotations
@@ -18,22 +18,21 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from proxy.errors import RegistryUnavailable, StreamfenceError
-from proxy.registry.genlog.reader import DEAD_AFTER
+from proxy.registry.genlog.meta import End
+from proxy.registry.genlog.publisher import Publisher
+from proxy.registry.genlog.store import Store
+from proxy.registry.genlog.timing import DEAD_AFTER, HEARTBEAT
 from proxy.registry.redisio import COMMAND_TIMEOUT, Call
 from proxy.tasks import spawn
 
-if TYPE_CHECKING:
-    from proxy.registry.genlog.log import GenerationLog
-
 log = logging.getLogger("streamfence")
 
-HEARTBEAT = 1.0  # the writer stamps its liveness at least this often
 MAX_PENDING = 8 << 20  # bytes queued for Redis before the writer gives up (Redis too slow)
-OUTCOMES = ("completed", "failed", "superseded")
+OUTCOMES = (End.COMPLETED, End.FAILED, End.SUPERSEDED)  # the ends a writer writes
 
 
 class _Write(NamedTuple):
@@ -48,17 +47,6 @@ class _Write(NamedTuple):
 HEARTBEAT_WRITE = _Write("", [], [])
 
 
-class Published(Protocol):
-    """The generation a writer publishes, as `LogWriter.hold` sees it."""
-
-    done: bool  # its reader has finished
-    finished: asyncio.Event  # ... and its upstream is closed
-
-    def watched(self) -> bool: ...  # a client in this process reads it
-
-    async def close_for_want_of_clients(self) -> None: ...
-
-
 class LogWriter:
     """Publishes one generation: a queue of writes that the process's `Publisher` sends,
     one at a time and in order. `started`/`append` only queue; appends coalesce into the
@@ -66,17 +54,20 @@ class LogWriter:
 
     def __init__(
         self,
-        log: GenerationLog,
+        store: Store,
+        publisher: Publisher,
         key: str,
         token: int,
         body_hash: str,
         streaming: bool,
         opened: bool = False,
+        abandoned: Callable[[str], None] = lambda reason: None,
     ) -> None:
-        self.log, self.key, self.token = log, key, token
+        self.store, self.key, self.token = store, key, token
         self.readers = 0  # readers registered on any process, as of the last write
         self.broken = False  # Redis failed or lost the log: nothing more is published
-        self._keys = log.keys(key, token)
+        self._abandoned = abandoned  # told why, once, when the writer stops publishing
+        self._keys = store.keys(key, token)
         self._queue: deque[_Write] = deque()
         self._sending: _Write | None = None  # handed to the publisher, not yet answered
         self._next = 0  # index of the next event appended
@@ -87,12 +78,12 @@ class LogWriter:
         self._refreshed = 0.0  # when the last write extended the expiry and counted readers
         self._idle = asyncio.Event()  # nothing queued, nothing being sent
         self._stopped = asyncio.Event()  # its end is written, or it gave up or was aborted
-        self._publisher = log.publisher()
-        self._publisher.add(self)
+        self._publisher = publisher
+        publisher.add(self)
         if opened:
             self._idle.set()
         else:
-            self._put(_Write("o", [body_hash, "1" if streaming else "0"], []))
+            self._put(_Write("o", [body_hash, streaming], []))
 
     def started(self, status: int, headers: Sequence[tuple[str, str]]) -> None:
         pairs = json.dumps([list(h) for h in headers])
@@ -119,9 +110,9 @@ class LogWriter:
         else:
             self._put(_Write("b", [], [first, list(events)], content))
 
-    async def end(self, outcome: str) -> None:
-        """Write the end marker (completed / failed / superseded) and stop; waits at most
-        about one command timeout, whatever Redis does."""
+    async def end(self, outcome: End) -> None:
+        """Write the end marker (one of OUTCOMES) and stop; waits at most about one command
+        timeout, whatever Redis does."""
         assert outcome in OUTCOMES, outcome
         if not self._ending:
             self._put(_Write("e", ["ended", outcome], ["o", outcome]))
@@ -138,38 +129,25 @@ class LogWriter:
         """Until everything queued so far has been sent (or the writer gave up)."""
         await self._idle.wait()
 
-    # The publisher's side.
-
-    async def hold(self, generation: Published) -> None:
-        """No client of `generation` is left in this process: its upstream stays open while
-        other processes read the log, and closes once none does (readers are counted with a
-        TTL: a crashed process's stop counting within a few seconds)."""
-        try:
-            while True:
-                readers = await self._readers_now()
-                if generation.watched():  # a client here again: the last one to leave decides
-                    if not readers:
-                        spawn(self.log.reopen(self.key, self.token))
-                    return
-                if generation.done or not readers:
-                    break
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(generation.finished.wait(), HEARTBEAT)
-        except Exception:  # whatever went wrong, the upstream and the lease must not leak
-            log.exception("streamfence: counting a generation's readers elsewhere failed")
-        if not generation.watched():
-            await generation.close_for_want_of_clients()
-
-    async def _readers_now(self) -> int:
+    async def readers_elsewhere(self) -> int:
+        """How many readers the log has on any process (the last count, recounted at least
+        every HEARTBEAT); 0 also if the writer gave up, or Redis does not answer. When it
+        finds none, the log is ended in the same step, so that nobody starts to follow it
+        now: `reopen` it if the generation carries on after all."""
         if self.broken:
             return 0
         if self.readers:
             return self.readers
-        try:  # a reader may have registered since the writer last counted; if none has,
-            # the log is ended in the same step, so that none can start following it now
-            return await self.log.readers(self.key, self.token, close_if_none=True)
+        try:  # a reader may have registered since the writer last counted
+            return await self.store.readers(self._keys, close_if_none=True)
         except StreamfenceError:
             return 0
+
+    def reopen(self) -> None:
+        """Undo the end that `readers_elsewhere` wrote when it found none (in the background)."""
+        spawn(self.store.reopen(self._keys))
+
+    # The publisher's side.
 
     def take(self, now: float) -> Call | None:
         """The next write to send, as a script call; None if there is none (or one is
@@ -214,11 +192,12 @@ class LogWriter:
             self._idle.set()
 
     def _call(self, write: _Write, now: float) -> Call:
+        store = self.store
         if write.kind == "o":
-            args = [self.log.ttl_ms, self.log.maxlen, *write.meta]
-            return (self.log._open, self._keys, args)
+            body_hash, streaming = write.meta
+            return store.open_call(self._keys, body_hash, streaming)
         entry = write.entry
-        ttl = self.log.linger_ms if write.kind == "e" else self.log.ttl_ms
+        ttl = store.linger_ms if write.kind == "e" else store.ttl_ms
         if write.kind == "b" and now - self._refreshed < HEARTBEAT:
             ttl = 0  # a busy stream: expiry and reader count once per HEARTBEAT, not per batch
         else:
@@ -228,9 +207,7 @@ class LogWriter:
             first, events = entry
             meta += ["next", first + len(events)]
             entry = ["i", first, "l", ",".join(str(len(e)) for e in events), "d", b"".join(events)]
-        alive = "1" if write.alive else "0"
-        args = [ttl, self.log.maxlen, write.kind, alive, len(meta) // 2, *meta, *entry]
-        return (self.log._write, self._keys, args)
+        return store.write_call(self._keys, write.kind, meta, entry, alive=write.alive, ttl_ms=ttl)
 
     def _put(self, write: _Write) -> None:
         if not self.broken and not self._ending:
@@ -246,8 +223,7 @@ class LogWriter:
                 self.key[:16],
                 why,
             )
-            if self.log.abandoned_hook is not None:
-                self.log.abandoned_hook(reason)
+            self._abandoned(reason)
         self.broken = True
         self._stop()
 
