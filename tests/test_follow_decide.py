@@ -13,8 +13,8 @@ import pytest
 
 from proxy.registry import MemoryRegistry
 from proxy.turn import rule as follow
+from proxy.turn.ask import Ask as RealAsk
 from proxy.turn.buffer import Budget
-from proxy.turn.generation import Ask as RealAsk
 from proxy.turn.rule import Attempt, Decision, Policy
 from proxy.turn.table import RETIRED_SECONDS, Generations
 from proxy.upstream.client import UpstreamClient

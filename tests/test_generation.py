@@ -17,8 +17,9 @@ from proxy.ops.record import Record, Source
 from proxy.registry import Lease, MemoryRegistry
 from proxy.registry.genlog.meta import End
 from proxy.turn import tee as tees
+from proxy.turn.ask import Ask
 from proxy.turn.buffer import Budget
-from proxy.turn.generation import Ask, Generation
+from proxy.turn.generation import Generation
 from proxy.turn.relay import Subscriber
 from proxy.turn.tee import Tee, TeeFor
 from proxy.turn.writes import Exchange

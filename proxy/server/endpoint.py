@@ -14,7 +14,8 @@ from proxy.config.schema import EventIds, UpstreamConfig
 from proxy.errors import BodyTooLarge, NoRoute, StreamfenceError, Unauthorized
 from proxy.ops.record import Outcome, Record, Source, upstream_request_id
 from proxy.runtime import Runtime
-from proxy.turn.generation import Ask, Generation
+from proxy.turn.ask import Ask
+from proxy.turn.generation import Generation
 from proxy.turn.relay import Subscriber
 from proxy.turn.table import NothingLeft
 from proxy.turn.writes import Exchange, error_response_parts

@@ -24,8 +24,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
 
 import httpx
 
@@ -33,7 +31,9 @@ from proxy.errors import StreamfenceError, UpstreamError
 from proxy.registry import Lease, Registry
 from proxy.registry.genlog.meta import End
 from proxy.tasks import spawn
+from proxy.turn.ask import Ask
 from proxy.turn.buffer import Budget, EventBuffer
+from proxy.turn.clients import Clients, Watcher
 from proxy.turn.tee import Tee, TeeFor, hold
 from proxy.upstream import client as upstream
 from proxy.upstream.client import UpstreamClient
@@ -44,37 +44,6 @@ log = logging.getLogger("streamfence")
 
 # How a published generation's log ends, bound once: see proxy/turn/rule.py NEW.
 _COMPLETED, _FAILED, _SUPERSEDED = End.COMPLETED, End.FAILED, End.SUPERSEDED
-
-
-@dataclass(frozen=True, slots=True)
-class Ask:
-    """What a generation asks upstream, and how it may be shared."""
-
-    request: httpx.Request
-    upstream: str  # the upstream's name
-    key: str | None  # the turn key; None: never fenced, never fences
-    body_hash: str | None  # what "an identical request" means
-    streaming: bool  # the request's streaming mode
-    max_event_bytes: int
-    buffer_bytes: int  # per generation; over it nobody may follow any more
-    stamp_ids: bool  # add `id: <token>-<n>` to every SSE event (for Last-Event-ID)
-    followable: bool  # kept for followers (False: keyless, beside, on_retry = supersede)
-    retain_for: float = 0.0  # seconds a completed generation stays replayable (replay_window)
-    dialect: str = "sse"  # the caller's (proxy.wire.dialects): which events are keep-alives
-    # The bodies of the turn that this generation (or one before it) replaced: a retry of
-    # one of them must not replace it in turn.
-    retired: frozenset[str] = frozenset()
-
-
-class Watcher(Protocol):
-    """A subscriber, as its generation sees it."""
-
-    cursor: int  # the number of the last event it has written
-    parked: bool  # waiting for the next event, caught up with the buffer
-
-    def superseded(self) -> None: ...
-
-    async def write_inline(self, events: list[bytes], last: bool = False) -> None: ...
 
 
 class Generation:
@@ -92,8 +61,7 @@ class Generation:
         self._claimed = lease  # the turn was claimed before (claim_or_follow)
         if lease is None and ask.key is not None and registry is not None:
             # Claimed (and the older generation fenced) in the request's own step where the
-            # backend allows it: the reader starts a loop iteration later, tens of ms under
-            # bench B5's load.
+            # backend allows it: the reader starts a loop iteration later, long under load.
             self._claimed = registry.claim_now(ask.key)
         # Published for followers in other processes (`proxy.turn.remote`), if given: what
         # makes its tee (`proxy.turn.tee`), once it holds its turn.
@@ -124,14 +92,13 @@ class Generation:
         self.closed_at: float | None = None
         self.headers_ready = asyncio.Event()
         self.finished = asyncio.Event()  # the reader is done and the upstream closed
-        self._waiting: list[asyncio.Future[None]] = []  # subscribers caught up with the buffer
         self._room = asyncio.Event()
-        self._watchers: dict[Watcher, None] = {}  # the subscribers, in order
         self._ended = False
         self._reader_stopped = False
         self._expiry: asyncio.TimerHandle | None = None
-        self._loop = asyncio.get_running_loop()  # kept: on 3.11 each call is a getpid()
-        self._task: asyncio.Task[None] | None = self._loop.create_task(self._read())
+        loop = asyncio.get_running_loop()
+        self.clients = Clients(loop)  # its subscribers, and those waiting for its next event
+        self._task: asyncio.Task[None] | None = loop.create_task(self._read())
 
     # -- state --------------------------------------------------------------------------
     @property
@@ -213,7 +180,7 @@ class Generation:
         """The reader's end, for any reason: every waiting subscriber may now finish."""
         self.done = True
         self.headers_ready.set()
-        self._wake()
+        self.clients.wake()
         self.finished.set()
         # Not kept: a cancelled reader's exception holds its frames, and so this generation.
         self._task = None
@@ -222,15 +189,15 @@ class Generation:
         response, self.response = self.response, None
         if response is not None:
             # Closes the connection: nothing drained. Not shielded (asyncio.shield would run it
-            # as a task of its own, a loop iteration later: 11 ms p50 under bench B5's load):
-            # the reader is cancelled once only (_stop_reader), so nothing interrupts this.
+            # as a task of its own, a loop iteration later, long under load): the reader is
+            # cancelled once only (_stop_reader), so nothing interrupts this.
             await response.aclose()
         if self.closed_at is None:
             self.closed_at = time.perf_counter()
 
     async def _take(self, events: list[bytes], last: bool = False, *, stamp: bool = True) -> bool:
         # A body's every chunk is content; of an event stream, what is not a keep-alive: the
-        # first event's first byte tells most reads (a call per read cost 3% of an event).
+        # first event's first byte tells most reads (a call per read was a visible cost).
         content = (
             not self.is_sse
             or events[0][0] not in self._keepalive_firsts
@@ -249,15 +216,16 @@ class Generation:
         buffer.add(events)
         if self.tee is not None:
             self.tee.append(events, content)
-        watchers = self._watchers
+        clients = self.clients
+        watchers = clients.all
         sole = next(iter(watchers)) if len(watchers) == 1 else None
         if sole is not None and sole.parked and sole.cursor == before:
             # The one client, caught up and waiting: write for it here, as a plain relay
             # would, instead of waking its task for every event (most generations have one
             # client, and the task switch cost a fifth of the proxy's CPU per event).
             await sole.write_inline(events, last)
-        elif self._waiting:
-            self._wake()
+        elif clients.waiting:
+            clients.wake()
         if self.followable and buffer.over_cap():
             self._overflow()
         while not self.followable and buffer.size > buffer.cap and watchers:
@@ -278,7 +246,7 @@ class Generation:
         self._trim()
 
     def _trim(self) -> None:
-        self.buffer.drop_through(min((w.cursor for w in self._watchers), default=self.last_id))
+        self.buffer.drop_through(self.clients.slowest(self.last_id))
         self._room.set()
 
     def _superseded(self) -> None:
@@ -291,10 +259,10 @@ class Generation:
         self.fenced_at = self.lease.superseded_at
         if self.response is not None and upstream.abort(self.response):
             # Closed in this step: cancelling the reader closes it only when the reader
-            # next runs, a loop iteration or more later (3.7 ms p50 under bench B5's load).
+            # next runs, a loop iteration or more later (milliseconds under load).
             self.closed_at = time.perf_counter()
         self._stop_reader()
-        for watcher in list(self._watchers):
+        for watcher in list(self.clients.all):
             watcher.superseded()
         if self._expiry is not None:
             self._expiry.cancel()
@@ -308,29 +276,19 @@ class Generation:
 
     def _unretain(self) -> None:
         self.retained = False
-        if not self._watchers:
+        if not self.clients.all:
             self._release_later()
 
     # -- the subscribers ----------------------------------------------------------------
     def attach(self, watcher: Watcher) -> None:
-        self._watchers[watcher] = None
+        self.clients.all[watcher] = None
         if self.fenced:
             watcher.superseded()
 
     async def wait(self, watcher: Watcher) -> None:
         """Until there is an event after the watcher's cursor, or the reader is done."""
         while watcher.cursor >= self.buffer.last_id and not self.done:
-            waiter = self._loop.create_future()
-            self._waiting.append(waiter)
-            await waiter
-
-    def _wake(self) -> None:
-        # One future per waiting subscriber, resolved once: cheaper than an Event's
-        # set/clear/wait on the path every relayed event takes.
-        waiting, self._waiting = self._waiting, []
-        for waiter in waiting:
-            if not waiter.done():
-                waiter.set_result(None)
+            await self.clients.next()
 
     def progress(self) -> None:
         """A subscriber wrote, to a buffer nobody may follow: it keeps only what is unwritten."""
@@ -339,11 +297,12 @@ class Generation:
     async def detach(self, watcher: Watcher) -> None:
         """`watcher` is gone. The last one closes the upstream and, once the reader is done,
         releases the lease and the buffer (unless the table retains it for replays)."""
-        if watcher not in self._watchers:
+        watchers = self.clients.all
+        if watcher not in watchers:
             return
-        del self._watchers[watcher]
+        del watchers[watcher]
         self._room.set()
-        if self._watchers:
+        if watchers:
             if not self.followable:
                 self._trim()
             return
@@ -357,7 +316,7 @@ class Generation:
 
     def watched(self) -> bool:
         """Some client in this process reads this generation."""
-        return bool(self._watchers)
+        return bool(self.clients.all)
 
     async def close_for_want_of_clients(self) -> None:
         """No client is left: close the upstream if it is still open, then release."""

@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING
 from proxy.errors import GenerationLost, UpstreamError
 from proxy.registry import Follow, Lease, Registry
 from proxy.registry.genlog.meta import End
+from proxy.turn.ask import Ask
 from proxy.turn.buffer import Budget
-from proxy.turn.generation import Ask, Generation
+from proxy.turn.generation import Generation
 from proxy.upstream import client as upstream
 from proxy.upstream.client import UpstreamClient
 from proxy.wire.sse import resumes_after

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any, Final
 from proxy.errors import StaleRetry
 from proxy.ops.record import Source
 from proxy.registry import Follow, Lease, Registry
+from proxy.turn.ask import Ask
 from proxy.turn.buffer import Budget
-from proxy.turn.generation import Ask, Generation
+from proxy.turn.generation import Generation
 from proxy.turn.remote import RemoteGeneration, cursor_after
 from proxy.turn.rule import (
     BESIDE,
