@@ -21,7 +21,7 @@ import httpx
 
 from proxy.config.load import load
 from proxy.server.app import create_app
-from tests.upstream import ScriptedUpstream, serve
+from tests.scripted import ScriptedUpstream, serve
 
 CHAT = "/v1/chat/completions"
 

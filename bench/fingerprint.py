@@ -53,7 +53,7 @@ def agent_body(kb: int) -> bytes:
 
 def json_module_fingerprint(route: str, path: str, body: bytes, ignore: tuple[str, ...]) -> str:
     """The fingerprint as the json module alone computed it (before orjson wrote the
-    canonical form): the reference the property test in tests/test_turns.py holds to."""
+    canonical form): the reference the property test in tests/wire/test_turns.py holds to."""
     parsed = json.loads(body)
     if isinstance(parsed, dict):
         for name in ignore:

@@ -22,7 +22,7 @@ import httpx
 from proxy.config.load import load
 from proxy.demo import until_disconnect
 from proxy.server.app import create_app
-from tests.upstream import serve
+from tests.scripted import serve
 
 
 class Provider:

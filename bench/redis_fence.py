@@ -3,7 +3,7 @@
     python -m bench.redis_fence [--rounds 100] [--ttfb 300]
 
 Starts a private redis-server (loopback, no persistence), a scripted upstream in this
-process (tests/upstream.py) and streamfence as real subprocesses (`python -m proxy`):
+process (tests/scripted.py) and streamfence as real subprocesses (`python -m proxy`):
 
 - fence: two proxies sharing Redis. An attempt streams through one and waits upstream; a
   retry of its turn is sent through the other. Latency is from just before the retry is
@@ -39,7 +39,7 @@ import uvicorn
 from redis.asyncio import Redis
 
 from tests.redis_server import RedisClusterServer, Server, running_cluster, running_redis
-from tests.upstream import ScriptedUpstream, free_port
+from tests.scripted import ScriptedUpstream, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/v1/chat/completions"
@@ -47,7 +47,7 @@ CHAT = "/v1/chat/completions"
 
 @asynccontextmanager
 async def serve_upstream(app: ScriptedUpstream) -> AsyncIterator[str]:
-    """Like tests.upstream.serve, but the listening socket says IPPROTO_TCP, so asyncio
+    """Like tests.scripted.serve, but the listening socket says IPPROTO_TCP, so asyncio
     sets TCP_NODELAY on its connections: otherwise the first body write after the
     headers waits for a delayed ACK (~40 ms) and hides everything measured here."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

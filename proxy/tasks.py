@@ -100,7 +100,7 @@ def _finish(started: _Started) -> Generator[Any, Any, Any]:
 
     No exception is left in a local when one leaves this frame: its traceback holds the
     frame, and the frame holding it back would be a cycle, the coroutine's objects left
-    to the garbage collector (tests/test_garbage.py)."""
+    to the garbage collector (tests/turn/test_garbage.py)."""
     thrown: BaseException | None = None
     try:
         yield

@@ -21,7 +21,7 @@ from tests.redis_server import (  # noqa: F401 - fixtures: a Redis server, or a 
     shared_cluster,
     single_redis,
 )
-from tests.upstream import ScriptedUpstream, serve
+from tests.scripted import ScriptedUpstream, serve
 
 # Every test ends within its bound, teardown included (tests/bounds.py).
 pytest_plugins = ["tests.bounds"]
@@ -86,7 +86,7 @@ def make_proxy() -> ProxyFactory:
         app_kw = flat.pop("_app", {})  # before load(): it is not a config key
         config = load(env={}, overrides=flat)
         app = create_app(config, **app_kw)
-        # HTTP and WebSocket protocols as the CLI serves them (tests/upstream.py's defaults
+        # HTTP and WebSocket protocols as the CLI serves them (tests/scripted.py's defaults
         # are uvicorn's httptools protocol and ws="none").
         options = uvicorn_options(config)
         protocols = {key: options[key] for key in ("http", "ws", "ws_max_size")}

@@ -24,7 +24,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from tests.upstream import free_port
+from tests.scripted import free_port
 
 REDIS_SERVER = shutil.which("redis-server")
 READY_LINE = "Ready to accept connections"

@@ -9,7 +9,7 @@ from proxy.wire import health
 
 # The follow rule's core in Lua (proxy/turn/rule.py `retry`, which it copies: a script cannot
 # call Python), for the claim that decides across processes. `on_retry`: adaptive, join or
-# supersede. One table of cases checks both (tests/test_rule_table.py).
+# supersede. One table of cases checks both (tests/turn/test_rule_table.py).
 RETRY: Final = """
 local function retry(identical, same_mode, healthy, on_retry)
   if on_retry == 'supersede' or not identical then return 'new' end

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tests.agents import aider_argv
 from tests.agents.harness import FAKE_KEY, Agent, Finished, base_env
-from tests.upstream import Seen
+from tests.scripted import Seen
 
 MODEL = "openai/test-model"  # litellm's "openai/" prefix: any OpenAI-compatible server
 

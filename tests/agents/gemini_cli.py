@@ -15,7 +15,7 @@ from typing import Any
 
 from tests.agents import gemini_argv
 from tests.agents.harness import FAKE_KEY, Agent, Finished, base_env
-from tests.upstream import Script, Seen
+from tests.scripted import Script, Seen
 
 # A fixed model: with the default ("auto") Gemini CLI first asks a router model, without
 # streaming, which of two models should answer, and expects JSON back.

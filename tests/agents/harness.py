@@ -26,7 +26,7 @@ import httpx
 from proxy.config.load import load
 from proxy.server.app import create_app
 from tests.agents import claude_binary, codex_binary
-from tests.upstream import Script, ScriptedUpstream, Seen, serve
+from tests.scripted import Script, ScriptedUpstream, Seen, serve
 
 FAKE_KEY = "sk-streamfence-agent-test"
 RUN_TIMEOUT = 60.0  # seconds for one agent process, whatever it does

@@ -16,7 +16,7 @@ from typing import Any
 
 from tests.agents import pi_argv
 from tests.agents.harness import FAKE_KEY, Agent, Finished, base_env
-from tests.upstream import Seen
+from tests.scripted import Seen
 
 PROVIDER = "streamfence"
 MODEL = "test-model"

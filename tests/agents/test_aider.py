@@ -31,7 +31,7 @@ from tests.agents.harness import (
     supersede_stalled,
     wait_for,
 )
-from tests.upstream import Script, ScriptedUpstream
+from tests.scripted import Script, ScriptedUpstream
 
 pytestmark = pytest.mark.agents
 

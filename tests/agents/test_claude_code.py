@@ -34,7 +34,7 @@ from tests.agents.harness import (
     superseded_frames,
     wait_for,
 )
-from tests.upstream import Script, ScriptedUpstream, Seen
+from tests.scripted import Script, ScriptedUpstream, Seen
 
 pytestmark = pytest.mark.agents
 

@@ -32,7 +32,7 @@ from tests.agents.harness import (
     superseded_frames,
     wait_for,
 )
-from tests.upstream import ScriptedUpstream
+from tests.scripted import ScriptedUpstream
 
 pytestmark = pytest.mark.agents
 

@@ -34,7 +34,7 @@ from tests.agents.harness import (
     sse_data,
     supersede_stalled,
 )
-from tests.upstream import ScriptedUpstream
+from tests.scripted import ScriptedUpstream
 
 pytestmark = pytest.mark.agents
 

@@ -28,7 +28,7 @@ from tests.agents.harness import (
     supersede_stalled,
 )
 from tests.agents.pi_agent import PiHome, is_pi_turn, pi_outcome
-from tests.upstream import Script, ScriptedUpstream
+from tests.scripted import Script, ScriptedUpstream
 
 pytestmark = pytest.mark.agents
 

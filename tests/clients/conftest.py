@@ -13,7 +13,7 @@ from proxy.server.listen import Loop
 from tests.clients.node_worker import NODE_CLIENTS, NodeWorker, node_missing
 from tests.clients.pyclients import CLEANUP, LIBRARIES, PYTHON_CLIENTS, Call, Outcome
 from tests.conftest import PROXY_LOOP, Proxy, ProxyFactory
-from tests.upstream import ScriptedUpstream
+from tests.scripted import ScriptedUpstream
 
 # Small, so that a stall is quick to reach; above the 50 ms between twins and the scripted
 # upstream's 0.1-0.3 s between events, so that a live stream stays healthy.

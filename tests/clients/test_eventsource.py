@@ -1,5 +1,5 @@
 """A browser's native EventSource through the proxy (headless chromium over DevTools, as
-in tests/test_status_browser.py): a GET stream keyed by the `streamfence_turn` query
+in tests/ops/test_status_browser.py): a GET stream keyed by the `streamfence_turn` query
 parameter (an EventSource cannot set headers), and the browser's own reconnects with
 Last-Event-ID (CONTRACT section 3; issue 11 items 4 and 6).
 
@@ -22,8 +22,8 @@ import pytest
 
 from tests.clients.conftest import HEALTHY_WITHIN
 from tests.conftest import Proxy, ProxyFactory
-from tests.test_status_browser import CHROMIUM, Page, chromium
-from tests.upstream import Script, ScriptedUpstream
+from tests.ops.test_status_browser import CHROMIUM, Page, chromium
+from tests.scripted import Script, ScriptedUpstream
 
 pytestmark = [
     pytest.mark.clients,

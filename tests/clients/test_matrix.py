@@ -33,7 +33,7 @@ import pytest
 
 from tests.clients.conftest import ALL_CLIENTS, HEALTHY_WITHIN, World
 from tests.clients.pyclients import Outcome
-from tests.upstream import Script
+from tests.scripted import Script
 
 pytestmark = pytest.mark.clients
 

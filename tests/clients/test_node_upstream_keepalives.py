@@ -16,7 +16,7 @@ from tests.clients.conftest import HEALTHY_WITHIN
 from tests.clients.node_worker import NODE_CLIENTS, NodeWorker
 from tests.clients.pyclients import PYTHON_CLIENTS, Call, Outcome
 from tests.conftest import ProxyFactory
-from tests.test_upstream_servers import node_seen, node_upstream
+from tests.upstream.test_servers import node_seen, node_upstream
 
 pytestmark = pytest.mark.clients
 

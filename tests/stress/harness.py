@@ -12,6 +12,7 @@ from typing import Any
 from proxy.errors import StreamfenceError
 from proxy.ops.record import Record
 from proxy.runtime import Runtime
+from tests.probes import metric
 
 WAIT_LIMIT = 60.0  # seconds: a hang fails the test instead of the whole run
 
@@ -31,7 +32,7 @@ def assert_clean(runtime: Runtime) -> None:
     assert runtime.registry.live_keys() == 0
     assert not runtime.active
     assert busy_upstream_connections(runtime) == 0
-    assert runtime.metrics.in_flight._value.get() == 0  # type: ignore[attr-defined]
+    assert metric(runtime, "streamfence_streams_in_flight") == 0
 
 
 class FinishWatch:

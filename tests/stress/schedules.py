@@ -32,9 +32,9 @@ from typing import Any
 import httpx
 
 from proxy.runtime import Runtime
+from tests.scripted import ScriptedUpstream, Seen
 from tests.sse_client import Event, events
 from tests.stress import harness
-from tests.upstream import ScriptedUpstream, Seen
 
 CHAT = "/v1/chat/completions"
 PUSH = 1000  # permits that release a gated upstream for good

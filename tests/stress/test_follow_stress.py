@@ -28,10 +28,10 @@ import httpx
 import pytest
 
 from tests.conftest import ProxyFactory
+from tests.scripted import ScriptedUpstream, Seen
 from tests.sse_client import Event, events
 from tests.stress import harness
 from tests.stress.schedules import driver_client
-from tests.upstream import ScriptedUpstream, Seen
 
 pytestmark = pytest.mark.stress
 

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from proxy.config.load import load
 from proxy.server.app import create_app
+from tests.scripted import ScriptedUpstream, serve
 from tests.stress.schedules import Attempt, Driver, Schedule, driver_client
-from tests.upstream import ScriptedUpstream, serve
 
 pytestmark = pytest.mark.stress
 

@@ -29,9 +29,9 @@ import pytest
 from proxy.turn.generation import Generation
 from proxy.turn.relay import Subscriber
 from tests.conftest import ProxyFactory
+from tests.scripted import ScriptedUpstream
 from tests.stress import harness
 from tests.stress.schedules import Attempt, Driver, driver_client
-from tests.upstream import ScriptedUpstream
 
 pytestmark = pytest.mark.soak
 

@@ -16,8 +16,8 @@ import time
 import pytest
 
 from tests.conftest import ProxyFactory
+from tests.scripted import ScriptedUpstream
 from tests.stress.schedules import Attempt, Driver, driver_client
-from tests.upstream import ScriptedUpstream
 
 pytestmark = pytest.mark.stress
 

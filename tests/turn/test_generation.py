@@ -1,0 +1,610 @@
+"""Generation and subscriber, driven directly: a fake upstream stream the test feeds, ASGI
+send/receive the test holds. Cheaper and more exact than end-to-end timing for the orders of
+events that matter: a supersede landing between the reader's append and the subscriber's
+write, a fenced client that never reads, a slow stream with a reading client, a client that
+stops reading after an overflow."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.ops.record import Record, Source
+from proxy.registry import Lease, MemoryRegistry
+from proxy.registry.genlog.meta import End
+from proxy.turn import tee as tees
+from proxy.turn.ask import Ask
+from proxy.turn.buffer import Budget
+from proxy.turn.generation import Generation
+from proxy.turn.relay import Subscriber
+from proxy.turn.tee import Tee, TeeFor
+from proxy.turn.writes import Exchange
+from proxy.upstream.client import UpstreamClient
+from proxy.upstream.transport import Transport as FastTransport
+from tests.scripted import Script, ScriptedUpstream
+
+Item = bytes | Callable[[], object]
+
+
+class Feed(httpx.AsyncByteStream):
+    """The upstream body: what the test puts in, in order; a callable is run in the reader's
+    own step, right after the previous chunk was taken."""
+
+    def __init__(self, endless: bytes | None = None) -> None:
+        self.queue: asyncio.Queue[Item] = asyncio.Queue()
+        self.closed = asyncio.Event()
+        self.pulled = 0
+        self.endless = endless
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while True:
+            if self.endless is not None:
+                await asyncio.sleep(0)  # as a socket read would
+                self.pulled += 1
+                yield self.endless
+                continue
+            item = await self.queue.get()
+            if callable(item):
+                item()
+                continue
+            if item == b"":
+                return
+            self.pulled += 1
+            yield item
+
+    async def aclose(self) -> None:
+        self.closed.set()
+
+
+class Transport(httpx.AsyncBaseTransport):
+    def __init__(self, feed: Feed) -> None:
+        self.feed = feed
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=self.feed)
+
+
+class Client:
+    """An ASGI client: records what it is sent; `block_after` writes, it stops reading
+    (`stuck` is set); it leaves (disconnects) when told to."""
+
+    def __init__(self, block_after: int | None = None) -> None:
+        self.bodies: list[bytes] = []
+        self.wrote = asyncio.Event()
+        self.block_after = block_after
+        self.stuck = asyncio.Event()  # a write is blocked
+        self.gone = asyncio.Event()
+
+    def leave(self) -> None:
+        self.gone.set()
+
+    async def receive(self) -> dict[str, Any]:
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] != "http.response.body":
+            return
+        if self.block_after is not None and len(self.bodies) >= self.block_after:
+            self.stuck.set()
+            await asyncio.Event().wait()
+        self.bodies.append(message.get("body", b""))
+        self.wrote.set()
+
+    async def wait_bodies(self, n: int) -> None:
+        async def written() -> None:
+            while len(self.bodies) < n:
+                self.wrote.clear()
+                await self.wrote.wait()
+
+        await asyncio.wait_for(written(), 5)
+
+
+def _generation(
+    feed: Feed | None = None,
+    buffer_bytes: int = 1 << 20,
+    followable: bool = True,
+    *,
+    over: httpx.AsyncBaseTransport | None = None,
+    url: str = "http://upstream.test",
+    registry: MemoryRegistry | None = None,
+    tee: TeeFor | None = None,
+) -> Generation:
+    """A generation of one streaming chat request, read from `feed` (or `over` a real
+    transport, from the upstream at `url`)."""
+    ask = Ask(
+        request=httpx.Request("POST", url + "/v1/chat/completions", json={"stream": True}),
+        upstream="up",
+        key="turn",
+        body_hash="body",
+        streaming=True,
+        max_event_bytes=1 << 20,
+        buffer_bytes=buffer_bytes,
+        stamp_ids=False,
+        followable=followable,
+    )
+    transport = over or Transport(feed or Feed())
+    client = UpstreamClient(transport)
+    return Generation(ask, client, registry or MemoryRegistry(), Budget(1 << 30), tee=tee)
+
+
+def _subscribe(
+    gen: Generation, client: Client, write_timeout: float = 0.0
+) -> tuple[Subscriber, asyncio.Task[None], list[Record]]:
+    finished: list[Record] = []
+    exchange = Exchange("openai-chat", "turn", Source.UPSTREAM, True, 0, [], write_timeout)
+    sub = Subscriber(
+        gen, exchange, Record("POST", "/v1/chat/completions"), lambda r, e: finished.append(r)
+    )
+    task = asyncio.create_task(sub({}, client.receive, client.send))
+    return sub, task, finished
+
+
+async def _one_event_written(
+    feed: Feed,
+) -> tuple[Generation, Client, asyncio.Task[None], list[Record]]:
+    """A generation with one client, which has been written its first event."""
+    gen = _generation(feed)
+    client = Client()
+    _, task, finished = _subscribe(gen, client)
+    feed.queue.put_nowait(b"data: one\n\n")
+    await client.wait_bodies(1)
+    return gen, client, task, finished
+
+
+def _supersede(gen: Generation) -> Callable[[], None]:
+    def now() -> None:
+        lease = gen.lease
+        assert isinstance(lease, Lease)
+        lease.supersede(newer_attempt=2)
+
+    return now
+
+
+async def test_an_event_taken_just_before_the_fence_is_never_written() -> None:
+    feed = Feed()
+    gen = _generation(feed)
+    first, second = Client(), Client()
+    _, task_a, finished = _subscribe(gen, first)
+    _, task_b, _ = _subscribe(gen, second)
+    feed.queue.put_nowait(b"data: one\n\n")
+    await first.wait_bodies(1)
+    await second.wait_bodies(1)
+    # The reader appends "two" (waking both subscribers) and, in the same step, the newer
+    # claim fences the generation: the subscribers' next step comes after the fence. (The
+    # fence's cancellation reaches a task whose awaited future is already done, at its next
+    # step; the reader writing inline is guarded by the check in the next test.)
+    feed.queue.put_nowait(b"data: two\n\n")
+    feed.queue.put_nowait(_supersede(gen))
+    await asyncio.wait_for(asyncio.gather(task_a, task_b), 5)
+    for client in (first, second):
+        written = b"".join(client.bodies)
+        assert b"data: one" in written and b"data: two" not in written
+        assert b"stream_superseded" in written
+    assert finished[0].outcome == "superseded"
+
+
+async def test_the_reader_writing_for_its_one_client_checks_the_fence_too() -> None:
+    feed = Feed()
+    gen, client, task, finished = await _one_event_written(feed)
+    # The fence lands in the reader's own step, before it takes "two" (already queued):
+    # the reader writes for its parked client, and must drop it.
+    feed.queue.put_nowait(_supersede(gen))
+    feed.queue.put_nowait(b"data: two\n\n")
+    await asyncio.wait_for(task, 5)
+    written = b"".join(client.bodies)
+    assert b"data: two" not in written and b"stream_superseded" in written
+    assert finished[0].outcome == "superseded"
+
+
+async def test_a_fence_closes_the_old_upstream_connection_in_the_claims_own_step(
+    upstream: ScriptedUpstream,
+) -> None:
+    # Over the real transport and a real upstream server: the connection is closed by the
+    # newer claim itself, not when the cancelled reader next runs (a loop iteration or more
+    # later, on a busy proxy milliseconds).
+    upstream.default = Script(tokens=5, gated=True)
+    transport = FastTransport()
+    gen = _generation(over=transport, url=upstream.url)
+    client = Client()
+    _, task, finished = _subscribe(gen, client)
+    await client.wait_bodies(1)
+    assert transport.in_use() == 1
+    _supersede(gen)()
+    assert transport.in_use() == 0  # no await since the claim
+    await asyncio.wait_for(task, 5)
+    await asyncio.wait_for(upstream.seen[0].closed.wait(), 5)
+    assert b"stream_superseded" in b"".join(client.bodies)
+    assert finished[0].outcome == "superseded"
+    await transport.aclose()
+
+
+async def test_a_newer_generation_fences_the_older_one_as_it_is_created() -> None:
+    # The memory registry claims in the newer request's own step: the older generation is
+    # fenced before the newer one's reader task first runs (a loop iteration later: tens of
+    # ms under bench B5's load).
+    registry = MemoryRegistry()
+    feed = Feed()
+    old = _generation(feed, registry=registry)
+    client = Client()
+    _, task, finished = _subscribe(old, client)
+    feed.queue.put_nowait(b"data: one\n\n")
+    await client.wait_bodies(1)
+    newer_feed = Feed()
+    newer = _generation(newer_feed, registry=registry)
+    assert old.fenced  # no await since the newer generation was made
+    await asyncio.wait_for(task, 5)
+    await asyncio.wait_for(feed.closed.wait(), 5)
+    assert b"stream_superseded" in b"".join(client.bodies)
+    assert finished[0].outcome == "superseded"
+    newer_feed.queue.put_nowait(b"")
+    await asyncio.wait_for(newer.finished.wait(), 5)
+    assert newer.lease is not None and not newer.fenced
+
+
+async def test_a_cancellation_from_outside_still_ends_the_response() -> None:
+    # The relay cancels its own task for a fence or a departed client and absorbs only
+    # those cancellations: one from elsewhere (a server shutting down) ends it, and the
+    # last client leaving still closes the upstream.
+    feed = Feed()
+    gen, client, task, finished = await _one_event_written(feed)
+    task.cancel()
+    # Not `with pytest.raises(CancelledError): await task`: that would also swallow a
+    # cancellation of this test itself, and the suite's bound with it (tests/bounds.py).
+    await asyncio.wait({task}, timeout=5)
+    assert task.cancelled()
+    await asyncio.wait_for(feed.closed.wait(), 1)
+    assert finished[0].outcome == "client_gone"
+
+
+async def test_a_cancellation_from_outside_is_not_absorbed_with_the_fences_own() -> None:
+    feed = Feed()
+    gen, client, task, finished = await _one_event_written(feed)
+    _supersede(gen)()  # the fence cancels the response's task ...
+    task.cancel()  # ... and so does someone else, before it runs again
+    await asyncio.wait({task}, timeout=5)
+    assert task.cancelled()
+    assert b"stream_superseded" not in b"".join(client.bodies)
+    assert finished[0].outcome == "superseded"
+
+
+async def test_a_fenced_client_that_does_not_read_does_not_hold_the_upstream() -> None:
+    feed = Feed()
+    gen = _generation(feed)
+    client = Client(block_after=1)  # takes one event, then never reads again
+    _sub, task, _ = _subscribe(gen, client, write_timeout=30.0)
+    feed.queue.put_nowait(b"data: one\n\n")
+    await client.wait_bodies(1)
+    feed.queue.put_nowait(_supersede(gen))
+    await asyncio.wait_for(feed.closed.wait(), 1)  # long before the write timeout
+    assert not task.done()  # its client still owes the frame write
+    task.cancel()
+
+
+async def test_a_fenced_client_that_leaves_while_its_frame_is_written_was_superseded() -> None:
+    # The first cause of an ending is the one recorded: the fence came first, the client's
+    # leaving (its frame's write still blocked) after; it is counted as superseded.
+    feed = Feed()
+    gen = _generation(feed)
+    client = Client(block_after=1)  # takes one event; the frame's write then blocks
+    _, task, finished = _subscribe(gen, client)
+    feed.queue.put_nowait(b"data: one\n\n")
+    await client.wait_bodies(1)
+    feed.queue.put_nowait(_supersede(gen))
+    await asyncio.wait_for(client.stuck.wait(), 5)  # the upstream closed, the frame under way
+    assert feed.closed.is_set()
+    client.leave()
+    await asyncio.wait_for(task, 5)
+    assert finished[0].outcome == "superseded"
+
+
+async def test_a_slow_stream_with_a_reading_client_is_not_dropped_by_the_write_timeout() -> None:
+    feed = Feed()
+    gen = _generation(feed)
+    client = Client()
+    _sub, task, finished = _subscribe(gen, client, write_timeout=0.1)
+    for n in range(4):
+        feed.queue.put_nowait(b"data: %d\n\n" % n)
+        await client.wait_bodies(n + 1)
+        await asyncio.sleep(0.15)  # the scenario: an upstream slower than the write timeout
+    feed.queue.put_nowait(b"data: [DONE]\n\n")
+    feed.queue.put_nowait(b"")
+    await asyncio.wait_for(task, 5)
+    assert finished[0].outcome == "completed" and finished[0].events == 5
+
+
+async def test_after_an_overflow_the_reader_waits_for_its_slowest_client() -> None:
+    event = b"data: " + b"x" * 50 + b"\n\n"
+    feed = Feed(endless=event)
+    gen = _generation(feed, buffer_bytes=200)
+    slow, fast = Client(block_after=1), Client()
+    _, slow_task, _ = _subscribe(gen, slow)
+    _, fast_task, _ = _subscribe(gen, fast)
+    await slow.wait_bodies(1)
+    for _ in range(500):
+        await asyncio.sleep(0)  # let the reader and the fast client run as far as they may
+    assert not gen.followable  # over its cap: nobody may follow it any more
+    assert feed.pulled < 12  # held back by the client that stopped reading
+    assert gen.buffer.size <= 200 + len(event)
+    for task in (slow_task, fast_task):
+        task.cancel()
+    await asyncio.gather(slow_task, fast_task, return_exceptions=True)
+    assert feed.closed.is_set()
+
+
+async def test_when_the_slow_client_leaves_a_held_back_reader_the_fast_one_gets_the_rest() -> None:
+    # Over its cap, the buffer keeps what its slowest client has yet to write, and the reader
+    # waits for room. That client leaving makes the room: the one left, caught up and
+    # waiting, gets the rest of the answer (nothing else would ever wake the reader).
+    event = b"data: " + b"x" * 50 + b"\n\n"
+    feed = Feed()
+    gen = _generation(feed, buffer_bytes=200)
+    slow, fast = Client(block_after=1), Client()
+    _, slow_task, _ = _subscribe(gen, slow)
+    _, fast_task, finished = _subscribe(gen, fast)
+    for chunk in [event] * 20 + [b"data: [DONE]\n\n", b""]:
+        feed.queue.put_nowait(chunk)
+    await slow.wait_bodies(1)
+    for _ in range(500):
+        await asyncio.sleep(0)  # the reader and the fast client run as far as they may
+    assert not gen.followable and len(fast.bodies) < 21  # held back by the slow client
+    slow.leave()
+    await asyncio.wait_for(fast_task, 5)
+    assert b"".join(fast.bodies) == event * 20 + b"data: [DONE]\n\n"
+    assert finished[0].outcome == "completed"
+    await asyncio.wait_for(slow_task, 5)
+
+
+async def test_a_client_that_stops_reading_holds_back_the_reader_writing_for_it() -> None:
+    event = b"data: " + b"x" * 50 + b"\n\n"
+    feed = Feed(endless=event)
+    gen = _generation(feed, buffer_bytes=200)
+    client = Client(block_after=1)
+    _, task, _ = _subscribe(gen, client)
+    await client.wait_bodies(1)
+    for _ in range(500):
+        await asyncio.sleep(0)
+    assert feed.pulled < 5 and gen.buffer.size <= 200 + len(event)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert feed.closed.is_set()
+
+
+async def test_the_last_client_leaving_closes_the_upstream_and_releases_the_lease() -> None:
+    feed = Feed()
+    gen = _generation(feed)
+    registry = gen._registry
+    assert isinstance(registry, MemoryRegistry)
+    first, second = Client(), Client()
+    _, task_a, _ = _subscribe(gen, first)
+    _, task_b, _ = _subscribe(gen, second)
+    feed.queue.put_nowait(b"data: one\n\n")
+    await first.wait_bodies(1)
+    await second.wait_bodies(1)
+    task_a.cancel()
+    await asyncio.gather(task_a, return_exceptions=True)
+    assert not feed.closed.is_set() and registry.live_keys() == 1
+    task_b.cancel()
+    await asyncio.gather(task_b, return_exceptions=True)
+    assert feed.closed.is_set() and registry.live_keys() == 0
+
+
+class _Ending(Client):
+    """A client that records whether each body message ended the response."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ends: list[bool] = []
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            self.ends.append(not message.get("more_body", False))
+        await super().send(message)
+
+
+async def test_a_client_that_finds_the_whole_answer_in_ends_with_it_in_one_write() -> None:
+    # The answer and its end are all in before the client writes anything: it writes them
+    # and the end of the response as one message (one write), not an empty one after.
+    feed = Feed()
+    gen = _generation(feed)
+    holder = Client(block_after=0)  # keeps the generation, and its buffer, while it runs
+    _, holding, _ = _subscribe(gen, holder)
+    for chunk in (b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n", b""):
+        feed.queue.put_nowait(chunk)
+    await asyncio.wait_for(gen.finished.wait(), 5)
+    client = _Ending()
+    _, task, finished = _subscribe(gen, client)  # a follower of the finished generation
+    await asyncio.wait_for(task, 5)
+    assert client.bodies == [b"data: one\n\ndata: two\n\ndata: [DONE]\n\n"]
+    assert client.ends == [True]
+    assert finished[0].outcome == "completed"
+    holding.cancel()
+    await asyncio.gather(holding, return_exceptions=True)
+
+
+@pytest.mark.parametrize(
+    ("last", "bodies", "ends"),
+    [
+        (b"data: [DONE]\n\n", [b"data: one\n\n", b"data: [DONE]\n\n"], [False, True]),
+        # An unterminated last event, one byte long: it is completed at the end and still
+        # written, so the response cannot end with the event before it.
+        (
+            b"data: [DONE]\n\n:",
+            [b"data: one\n\n", b"data: [DONE]\n\n", b":\n\n", b""],
+            [False, False, False, True],
+        ),
+    ],
+    ids=["whole", "unterminated-tail"],
+)
+async def test_the_reader_ends_its_clients_response_with_the_last_read(
+    last: bytes, bodies: list[bytes], ends: list[bool]
+) -> None:
+    # Over the real transport: the upstream's last write holds the last event and the end of
+    # its chunked body, so the reader, writing for its caught-up client, ends the response.
+    last_part = asyncio.Event()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(len(b'{"stream":true}'))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n" + _chunked(b"data: one\n\n")
+        )
+        await last_part.wait()
+        writer.write(_chunked(last) + b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    transport = FastTransport()
+    try:
+        gen = _generation(over=transport, url=f"http://127.0.0.1:{port}")
+        client = _Ending()
+        _, task, finished = _subscribe(gen, client)
+        await client.wait_bodies(1)
+        last_part.set()
+        await asyncio.wait_for(task, 5)
+    finally:
+        server.close()
+        await transport.aclose()
+    assert client.bodies == bodies
+    assert client.ends == ends
+    assert finished[0].outcome == "completed"
+
+
+def _chunked(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class RecordingTee:
+    """A stand-in for the generation log's writer: records what its generation tells it, and
+    answers `readers_elsewhere` with the counts the test puts in `readers`, when it does."""
+
+    def __init__(self) -> None:
+        self.broken = False
+        self.told: list[tuple[str, object]] = []
+        self.readers: asyncio.Queue[int] = asyncio.Queue()
+        self.asked = 0
+        self.asking = asyncio.Event()  # set whenever the generation asks
+        self.reopened = 0
+        self.ended = asyncio.Event()
+        self.reopening = asyncio.Event()
+
+    def started(self, status: int, headers: Sequence[tuple[str, str]]) -> None:
+        self.told.append(("started", status))
+
+    def append(self, events: Sequence[bytes], content: bool = True) -> None:
+        self.told.extend(("event", e) for e in events)
+
+    async def end(self, outcome: End) -> None:
+        self.told.append(("end", outcome))
+        self.ended.set()
+
+    async def readers_elsewhere(self) -> int:
+        self.asked += 1
+        self.asking.set()
+        return await self.readers.get()
+
+    def reopen(self) -> None:
+        self.reopened += 1
+        self.reopening.set()
+
+    def maker(self) -> tuple[TeeFor, list[int]]:
+        """What the table would give the generation, and the tokens it was made for."""
+        tokens: list[int] = []
+
+        def tee_for(token: int) -> Tee:
+            tokens.append(token)
+            return self
+
+        return tee_for, tokens
+
+    async def asked_at_least(self, n: int) -> None:
+        while self.asked < n:
+            self.asking.clear()
+            await asyncio.wait_for(self.asking.wait(), 5)
+
+
+async def test_a_published_generation_tells_its_tee_its_start_its_events_and_its_end() -> None:
+    tee = RecordingTee()
+    tee_for, tokens = tee.maker()
+    feed = Feed()
+    gen = _generation(feed, tee=tee_for)
+    client = Client()
+    _, task, _ = _subscribe(gen, client)
+    for item in (b"data: one\n\n", b"data: two\n\n", b""):
+        feed.queue.put_nowait(item)
+    await asyncio.wait_for(task, 5)
+    await asyncio.wait_for(tee.ended.wait(), 5)  # told in a task of its own
+    assert tokens == [gen.token]  # made once, for the token its turn was claimed with
+    assert tee.told == [
+        ("started", 200),
+        ("event", b"data: one\n\n"),
+        ("event", b"data: two\n\n"),
+        ("end", End.COMPLETED),
+    ]
+
+
+async def test_with_no_client_here_the_upstream_stays_open_while_its_tee_has_readers_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tees, "RECHECK", 0.01)  # the writer's recount: every second
+    tee = RecordingTee()
+    feed = Feed()
+    gen, client, task, _ = await _one_event_written_to(feed, tee)
+    tee.readers.put_nowait(1)
+    client.leave()
+    await asyncio.wait_for(task, 5)
+    await tee.asked_at_least(2)  # asked again after the answer "one reader elsewhere"
+    assert not feed.closed.is_set() and not gen.done
+    tee.readers.put_nowait(0)  # the last reader elsewhere left
+    await asyncio.wait_for(feed.closed.wait(), 5)
+    await asyncio.wait_for(gen.finished.wait(), 5)
+    assert tee.reopened == 0
+
+
+async def test_a_client_here_again_keeps_the_upstream_and_reopens_what_its_tee_closed() -> None:
+    tee = RecordingTee()
+    feed = Feed()
+    gen, first, task, _ = await _one_event_written_to(feed, tee)
+    first.leave()
+    await asyncio.wait_for(task, 5)
+    await tee.asked_at_least(1)
+    again = Client()
+    _, task, finished = _subscribe(gen, again)  # attaches while the tee is being asked
+    await again.wait_bodies(1)
+    tee.readers.put_nowait(0)  # none elsewhere: the tee closed itself to new readers
+    await asyncio.wait_for(tee.reopening.wait(), 5)
+    assert not feed.closed.is_set()  # the client here reads on
+    feed.queue.put_nowait(b"data: two\n\n")
+    feed.queue.put_nowait(b"")
+    await asyncio.wait_for(task, 5)
+    assert b"data: two" in b"".join(again.bodies) and finished[0].outcome == "completed"
+
+
+async def test_a_broken_tee_does_not_hold_the_upstream_for_readers_elsewhere() -> None:
+    tee = RecordingTee()
+    tee.broken = True  # it stopped publishing: nobody elsewhere reads it any more
+    feed = Feed()
+    _, client, task, _ = await _one_event_written_to(feed, tee)
+    client.leave()
+    await asyncio.wait_for(task, 5)
+    assert feed.closed.is_set()  # closed by the leaving client itself, not in the background
+    assert tee.asked == 0
+
+
+async def _one_event_written_to(
+    feed: Feed, tee: RecordingTee
+) -> tuple[Generation, Client, asyncio.Task[None], list[Record]]:
+    """A published generation with one client, which has been written its first event."""
+    gen = _generation(feed, tee=tee.maker()[0])
+    client = Client()
+    _, task, finished = _subscribe(gen, client)
+    feed.queue.put_nowait(b"data: one\n\n")
+    await client.wait_bodies(1)
+    return gen, client, task, finished
