@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from proxy import usage
-from proxy.dialects import ANTHROPIC, GEMINI, OPENAI_CHAT, OPENAI_RESPONSES, SSE
-from proxy.usage import Kind, Usage
+from proxy.wire import usage
+from proxy.wire.dialects import ANTHROPIC, GEMINI, OPENAI_CHAT, OPENAI_RESPONSES, SSE
+from proxy.wire.usage import Kind, Usage
 
 
 def sse(data: Any, event: str | None = None) -> bytes:

@@ -29,8 +29,8 @@ from typing import Any
 
 import orjson
 
-from proxy.dialects import ANTHROPIC, GEMINI, OPENAI_CHAT, OPENAI_RESPONSES
-from proxy.sse import parse_fields
+from proxy.wire.dialects import ANTHROPIC, GEMINI, OPENAI_CHAT, OPENAI_RESPONSES
+from proxy.wire.sse import parse_fields
 
 # A non-streaming body is parsed for its usage only under this size: the proxy streams
 # bodies through, and a huge one (a file, an embedding batch) is not worth a second copy.
