@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import fields
 from types import TracebackType
@@ -117,7 +118,9 @@ class LineSink:
     def __init__(self, handler: logging.StreamHandler[Any]) -> None:
         self.handler = handler
         self.lines: list[str] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # Weakly: the sink outlives loops (a test's, a restarted app's), and a closed loop kept
+        # alive here is freed only when the next loop replaces it, by the collector.
+        self._loop: weakref.ref[asyncio.AbstractEventLoop] | None = None
         self._scheduled = False
 
     def owns_output(self) -> bool:
@@ -125,15 +128,16 @@ class LineSink:
 
     def write(self, text: str) -> None:
         self.lines.append(text)
-        loop = self._loop
+        loop = self._loop() if self._loop is not None else None
         if self._scheduled and loop is not None and not loop.is_closed():
             return  # its flush comes at the end of this iteration
         if loop is None or loop.is_closed():  # (a flush a closed loop never ran: the lines wait)
             try:  # kept: looking the loop up is a getpid() system call on Python 3.11
-                loop = self._loop = asyncio.get_running_loop()
+                loop = asyncio.get_running_loop()
             except RuntimeError:  # no loop: nothing to batch with
                 self.flush()
                 return
+            self._loop = weakref.ref(loop)
         self._scheduled = True
         loop.call_soon(self.flush)
 

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -220,6 +221,26 @@ def test_without_a_loop_a_line_is_written_at_once_and_flush_writes_what_waits(
     line_sink.lines.append("waiting")  # as if its iteration had not ended
     logs.flush()  # what atexit calls
     assert stream.getvalue().endswith("waiting\n")
+
+
+def test_the_sink_keeps_no_finished_loop_alive(
+    sink: tuple[logs.LineSink, _Stream], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A loop the sink held was freed only when the next loop's first line replaced it, and
+    # then by the collector (tests/turn/test_garbage.py found it as a request's garbage).
+    _alone(sink, monkeypatch)
+    line_sink, stream = sink
+    loop = asyncio.new_event_loop()
+
+    async def one_line() -> None:
+        logs.log_request(Record("GET", "/in-a-loop"), "json")
+
+    loop.run_until_complete(one_line())
+    loop.close()
+    gone = weakref.ref(loop)
+    del loop
+    assert gone() is None  # freed by reference counting, with nothing for the collector
+    assert json.loads(stream.getvalue())["path"] == "/in-a-loop"
 
 
 def test_with_another_handler_the_lines_go_through_logging(
