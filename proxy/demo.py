@@ -25,6 +25,7 @@ import uvicorn
 
 from proxy.config.load import load
 from proxy.config.schema import UpstreamConfig
+from proxy.ops.ledger import Ledger
 from proxy.server.app import create_app
 
 ANSWER = "The capital of France is Paris . It sits on the Seine .".split()
@@ -102,6 +103,7 @@ class Provider:
         self.pace = pace
         self.screen = screen
         self.requests = 0
+        self.generated = 0  # tokens sent, over all attempts: what the provider would bill
         self.closed: list[tuple[int, int]] = []  # (attempt, tokens sent) seen closed early
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -134,6 +136,7 @@ class Provider:
                     }
                 )
                 sent += 1
+                self.generated += 1
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
         except asyncio.CancelledError:
             self.closed.append((attempt, sent))
@@ -232,7 +235,8 @@ async def demo(pace: float, color: bool, out: Out) -> int:
     out()
     out("1) Straight to the provider:")
     screen = Screen(out, color)
-    async with _serve(Provider(pace, screen)) as provider_url:
+    straight = Provider(pace, screen)
+    async with _serve(straight) as provider_url:
         direct = await _agent(provider_url, screen, pace)
     out()
     _tokens(out, direct)
@@ -267,7 +271,19 @@ async def demo(pace: float, color: bool, out: Out) -> int:
     out("      2's tokens were delivered.")
     out()
     out(f"{'OK' if ok else 'UNEXPECTED'}: one writer per turn.")
+    _spared(out, app.state.runtime.ledger, straight.generated, provider.generated)
     return 0 if ok else 1
+
+
+def _spared(out: Out, ledger: Ledger, straight: int, fenced: int) -> None:
+    """The demo's last line: the tokens the fence spared the provider (each provider counts
+    what it generated), and the proxy's ledger of the requests it sent and fenced."""
+    rows = ledger.summary()
+    requests, cut = sum(r["requests"] for r in rows), sum(r["fenced"] for r in rows)
+    out(
+        f"Spared by the fence: {straight - fenced} of {straight} generated tokens "
+        f"({requests} requests upstream, {cut} fenced)."
+    )
 
 
 def _tokens(out: Out, transcript: list[tuple[int, str]]) -> None:

@@ -11,16 +11,19 @@ from typing import Protocol
 from proxy.config.schema import Config
 from proxy.errors import ShuttingDown, StreamfenceError
 from proxy.ops import logs, status, tracing
+from proxy.ops.ledger import Ledger
 from proxy.ops.metrics import Metrics
-from proxy.ops.record import Record
+from proxy.ops.record import FOLLOWER_SOURCES, Outcome, Record
 from proxy.registry import Registry
 from proxy.turn.buffer import Budget
 from proxy.turn.rule import Policy
 from proxy.turn.table import Generations
 from proxy.upstream.client import UpstreamClient
 from proxy.upstream.routing import Router
+from proxy.wire.usage import Usage
 
 ACCESS_TOKEN_HEADER = b"x-streamfence-token"
+_COMPLETED = Outcome.COMPLETED  # bound once: see proxy/turn/rule.py NEW
 
 
 class Abortable(Protocol):
@@ -40,6 +43,10 @@ class InFlight(Abortable, Protocol):
         """When what it reads last sent content (time.monotonic), for the status page."""
         ...
 
+    def usage(self) -> Usage | None:
+        """What its answer has reported it cost so far, for the status page."""
+        ...
+
 
 class Runtime:
     """One per app; its upstream client and generations are made in the lifespan."""
@@ -49,6 +56,7 @@ class Runtime:
         self.registry = registry
         self.router = Router(config.upstream)
         self.metrics = Metrics()
+        self.ledger = Ledger(self.metrics, config.server.max_model_labels)
         registry.unavailable_hook = self.metrics.registry_unavailable.inc
         self.client: UpstreamClient | None = None
         self.turn_header = config.turns.header.lower().encode("latin-1")
@@ -59,7 +67,7 @@ class Runtime:
         self._idle.set()
         self.budget = Budget(config.server.join_buffer_total_bytes)
         self.generations: Generations | None = None  # with the client, in the lifespan
-        self.status = status.StatusBoard(up.name for up in config.upstream)
+        self.status = status.StatusBoard((up.name for up in config.upstream), self.ledger)
         self.tracer = tracing.create(config.tracing)  # None unless tracing is on
         self.policies = {
             up.name: Policy(up.on_retry, up.healthy_within, up.replay_fingerprints)
@@ -91,6 +99,9 @@ class Runtime:
         kind = getattr(error, "kind", None)
         record.cause = getattr(error, "cause", "")
         self.metrics.observe(record, kind)
+        if record.source in FOLLOWER_SOURCES and record.outcome == _COMPLETED:
+            # a whole answer, without a request of its own
+            self.ledger.served(record.upstream, record.model, record.usage)
         self.metrics.in_flight.dec()
         if record.fenced_generation:  # once per generation, not per follower
             logs.log_supersede(record, self.config.server.log_format)

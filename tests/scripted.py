@@ -59,6 +59,10 @@ class Script:
     # servers do. Not counted in `events_sent`.
     keepalive: str | None = None
     keepalive_every: float = 0.1
+    # Token usage to report, in each dialect's own shape and place (input, output,
+    # cached_input, reasoning: proxy/wire/usage.py), and the model the answer names.
+    usage: dict[str, int] | None = None
+    model: str = "m"
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> Script | None:
@@ -277,20 +281,38 @@ async def _send_whole(send: Any, status: int, body: bytes, ctype: str, script: S
 
 
 def _whole_response(seen: Seen, script: Script) -> dict[str, Any]:
+    body = _whole_body(seen, script)
+    u = script.usage
+    if u is not None:  # each API's own shape, as its non-streaming answer carries it
+        if ":generateContent" in seen.path:
+            body["usageMetadata"] = {
+                "promptTokenCount": u.get("input", 0),
+                "candidatesTokenCount": u.get("output", 0),
+            }
+        elif seen.path.endswith("/responses"):
+            body["usage"] = _responses_usage(u)
+        elif seen.path.endswith("/messages"):
+            body["usage"] = {"input_tokens": u.get("input", 0), "output_tokens": u.get("output", 0)}
+        else:
+            body["usage"] = _chat_usage(u)
+    return body
+
+
+def _whole_body(seen: Seen, script: Script) -> dict[str, Any]:
     text = "".join(script.token_list())
     if ":generateContent" in seen.path:
         return {
             "candidates": [
                 {"content": {"parts": [{"text": text}], "role": "model"}, "finishReason": "STOP"}
             ],
-            "modelVersion": "m",
+            "modelVersion": script.model,
         }
     if seen.path.endswith("/responses"):
         return {
             "id": "resp_1",
             "object": "response",
             "created_at": 1,
-            "model": "m",
+            "model": script.model,
             "status": "completed",
             "output": [
                 {
@@ -310,7 +332,7 @@ def _whole_response(seen: Seen, script: Script) -> dict[str, Any]:
             "id": "msg_1",
             "type": "message",
             "role": "assistant",
-            "model": "m",
+            "model": script.model,
             "content": [{"type": "text", "text": text}],
             "stop_reason": "end_turn",
             "stop_sequence": None,
@@ -320,7 +342,7 @@ def _whole_response(seen: Seen, script: Script) -> dict[str, Any]:
         "id": "chatcmpl-1",
         "object": "chat.completion",
         "created": 1,
-        "model": "m",
+        "model": script.model,
         "choices": [
             {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
         ],
@@ -341,15 +363,28 @@ def _events(path: str, script: Script) -> list[bytes]:
         return [e.encode() for e in script.raw]
     tokens = script.token_list()
     if path.endswith("/responses"):
-        return _responses_events(tokens)
+        return _responses_events(tokens, script)
     if path.endswith("/messages"):
-        return _anthropic_events(tokens)
+        return _anthropic_events(tokens, script)
     if ":streamGenerateContent" in path:
-        return [
-            _sse({"candidates": [{"content": {"parts": [{"text": t}], "role": "model"}}]})
-            for t in tokens
-        ]
-    return _chat_events(tokens)
+        return _gemini_events(tokens, script)
+    return _chat_events(tokens, script)
+
+
+def _gemini_events(tokens: list[str], script: Script) -> list[bytes]:
+    chunks: list[dict[str, Any]] = [
+        {"candidates": [{"content": {"parts": [{"text": t}], "role": "model"}}]} for t in tokens
+    ]
+    u = script.usage
+    if u is not None and chunks:
+        chunks[-1]["usageMetadata"] = {
+            "promptTokenCount": u.get("input", 0),
+            "candidatesTokenCount": u.get("output", 0) - u.get("reasoning", 0),
+            "thoughtsTokenCount": u.get("reasoning", 0),
+            "cachedContentTokenCount": u.get("cached_input", 0),
+        }
+        chunks[-1]["modelVersion"] = script.model
+    return [_sse(c) for c in chunks]
 
 
 def _token_offset(path: str, script: Script) -> int:
@@ -363,29 +398,40 @@ def _token_offset(path: str, script: Script) -> int:
     return 0
 
 
-def _chat_events(tokens: list[str]) -> list[bytes]:
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-        return _sse(
-            {
-                "id": "chatcmpl-1",
-                "object": "chat.completion.chunk",
-                "created": 1,
-                "model": "m",
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-            }
-        )
+def _chat_events(tokens: list[str], script: Script) -> list[bytes]:
+    def chunk(delta: dict[str, Any] | None, finish: str | None = None, **more: Any) -> bytes:
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+        body = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1}
+        return _sse({**body, "model": script.model, "choices": choices, **more})
 
-    return [chunk({"content": t}) for t in tokens] + [chunk({}, "stop"), b"data: [DONE]\n\n"]
+    u = script.usage
+    # As OpenAI sends it with stream_options.include_usage: "usage": null in every chunk,
+    # then a last chunk with no choices and the counts.
+    nulls = {} if u is None else {"usage": None}
+    out = [chunk({"content": t}, **nulls) for t in tokens] + [chunk({}, "stop", **nulls)]
+    if u is not None:
+        out.append(chunk(None, usage=_chat_usage(u)))
+    return [*out, b"data: [DONE]\n\n"]
 
 
-def _responses_events(tokens: list[str]) -> list[bytes]:
+def _chat_usage(u: dict[str, int]) -> dict[str, Any]:
+    return {
+        "prompt_tokens": u.get("input", 0),
+        "completion_tokens": u.get("output", 0),
+        "total_tokens": u.get("input", 0) + u.get("output", 0),
+        "prompt_tokens_details": {"cached_tokens": u.get("cached_input", 0)},
+        "completion_tokens_details": {"reasoning_tokens": u.get("reasoning", 0)},
+    }
+
+
+def _responses_events(tokens: list[str], script: Script) -> list[bytes]:
     # The event sequence the Responses API sends for one text message (the Vercel AI SDK
     # needs the item and content part announced before their deltas).
     response = {
         "id": "resp_1",
         "object": "response",
         "created_at": 1,
-        "model": "m",
+        "model": script.model,
         "status": "in_progress",
         "output": [],
         "parallel_tool_calls": True,
@@ -411,22 +457,45 @@ def _responses_events(tokens: list[str]) -> list[bytes]:
         {"type": "response.output_item.done", "output_index": 0, "item": done_item},
         {
             "type": "response.completed",
-            "response": {**response, "status": "completed", "output": [done_item]},
+            "response": {
+                **response,
+                "status": "completed",
+                "output": [done_item],
+                **({} if script.usage is None else {"usage": _responses_usage(script.usage)}),
+            },
         },
     ]
     return [_sse({**b, "sequence_number": i}, b["type"]) for i, b in enumerate(bodies)]
 
 
-def _anthropic_events(tokens: list[str]) -> list[bytes]:
+def _responses_usage(u: dict[str, int]) -> dict[str, Any]:
+    return {
+        "input_tokens": u.get("input", 0),
+        "input_tokens_details": {"cached_tokens": u.get("cached_input", 0)},
+        "output_tokens": u.get("output", 0),
+        "output_tokens_details": {"reasoning_tokens": u.get("reasoning", 0)},
+        "total_tokens": u.get("input", 0) + u.get("output", 0),
+    }
+
+
+def _anthropic_events(tokens: list[str], script: Script) -> list[bytes]:
+    u = script.usage or {"input": 1, "output": len(tokens)}
+    cached = u.get("cached_input", 0)  # Anthropic's input_tokens leave the cache reads out
+    start_usage = {
+        "input_tokens": u.get("input", 0) - cached,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+        "output_tokens": 1,
+    }
     message: dict[str, object] = {
         "id": "msg_1",
         "type": "message",
         "role": "assistant",
-        "model": "m",
+        "model": script.model,
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": {"input_tokens": 1, "output_tokens": 0},
+        "usage": start_usage,
     }
     out = [
         _sse({"type": "message_start", "message": message}, "message_start"),
@@ -452,7 +521,7 @@ def _anthropic_events(tokens: list[str]) -> list[bytes]:
             {
                 "type": "message_delta",
                 "delta": {"stop_reason": "end_turn", "stop_sequence": None},
-                "usage": {"output_tokens": len(tokens)},
+                "usage": {"output_tokens": u.get("output", len(tokens))},
             },
             "message_delta",
         ),

@@ -34,6 +34,10 @@ def test_demo_shows_the_fence() -> None:
     assert "attempt 1 error: stream_superseded" in fenced
     assert "attempt 1: connection closed after 4 tokens" in fenced
     assert "OK: one writer per turn." in out.stdout
+    # Its last line: straight, the provider generated both answers (13 tokens each); through
+    # the proxy, 4 of attempt 1's and attempt 2's 13. The requests come from the ledger.
+    last = out.stdout.splitlines()[-1]
+    assert last == "Spared by the fence: 9 of 26 generated tokens (2 requests upstream, 1 fenced)."
     # The demo lowers healthy_within to fit its pace, and says so, with what the default
     # does: a user who then retried after 4 s with the defaults got "followed", unwarned.
     said = " ".join(fenced.split())

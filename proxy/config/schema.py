@@ -92,6 +92,9 @@ class ServerConfig:
     http_transport: HttpTransport = HttpTransport.FAST
     # All generation buffers of the process together (what followers read).
     join_buffer_total_bytes: int = 256 * 1024 * 1024
+    # Models that get a metric label of their own, per upstream (the first ones seen); the
+    # others are counted as "other", so that odd request bodies cannot blow up the metrics.
+    max_model_labels: int = 100
     # WebSocket mode: a client message over this closes the socket with 1009.
     websocket_max_message_bytes: int = 32 * 1024 * 1024
     # The forward proxy to the upstreams: "" from HTTPS_PROXY/HTTP_PROXY/ALL_PROXY/NO_PROXY,

@@ -53,6 +53,7 @@ _BYTES = Range(1, unit="bytes")
 RANGES: dict[str, Range] = {
     "server.port": Range(0, high=65535),
     "server.workers": Range(1),
+    "server.max_model_labels": Range(1),
     "server.max_body_bytes": _BYTES,
     "server.shutdown_grace": Range(0, unit="seconds", zero_means="ends streams at once"),
     "server.write_timeout": _SECONDS_OR_NEVER,

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from proxy.wire.usage import Usage
+
 
 class Outcome(StrEnum):
     """How a request ended: the log line's `outcome`, the metrics' label."""
@@ -65,6 +67,8 @@ class Record:
     superseded_by: int | None = None
     fence_latency: float | None = None  # newer claim -> old upstream closed, seconds
     trace: Any = None  # the request's OpenTelemetry span while tracing is on (proxy/ops/tracing.py)
+    model: str = ""  # the model the request named ("" when it named none)
+    usage: Usage | None = None  # what its answer reported it cost (proxy/wire/usage.py)
 
     @property
     def fenced_generation(self) -> bool:

@@ -33,9 +33,11 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, Response
 
 from proxy import __version__
+from proxy.ops.ledger import Ledger
 from proxy.ops.record import FOLLOWER_SOURCES, Outcome, Record, Source
 from proxy.ops.statuspage import PAGE, PAGE_HEADERS
 from proxy.wire import health
+from proxy.wire.usage import Usage
 
 # Outcomes that say nothing of the upstream's health: the proxy's own refusals, clients that
 # left, fences and shutdowns.
@@ -59,6 +61,10 @@ class _Relay(Protocol):
 
     def last_alive(self) -> float | None:
         """When what it reads last sent content (time.monotonic); None: nothing to judge."""
+        ...
+
+    def usage(self) -> Usage | None:
+        """What its answer has reported it cost so far (Anthropic: the input, at the start)."""
         ...
 
 
@@ -134,7 +140,8 @@ class UpstreamHealth:
 
 
 class StatusBoard:
-    def __init__(self, upstreams: Iterable[str] = ()) -> None:
+    def __init__(self, upstreams: Iterable[str] = (), ledger: Ledger | None = None) -> None:
+        self.ledger = ledger  # what was spent and spared, per upstream and model
         self.recent: deque[Supersede] = deque(maxlen=RECENT)
         self.started_at = time.time()
         self.requests = 0
@@ -233,6 +240,7 @@ class StatusBoard:
                     "healthy_within_s": within if state else None,
                     "events": r.events,
                     "followers": 0,
+                    "tokens": _tokens(relay.usage()),
                 }
             if r.source in FOLLOWER_SOURCES:
                 row["followers"] += 1
@@ -249,6 +257,7 @@ class StatusBoard:
             "outcomes": dict(self.outcomes.most_common()),
             "errors": dict(self.errors.most_common()),
             "upstreams": [health.view(name) for name, health in self.upstreams.items()],
+            "spend": [] if self.ledger is None else self.ledger.summary(),
             "in_flight": flights,
             "recent": [
                 {
@@ -264,6 +273,10 @@ class StatusBoard:
                 for s in self.recent
             ],
         }
+
+
+def _tokens(usage: Usage | None) -> dict[str, int]:
+    return {} if usage is None else {kind.value: n for kind, n in usage.counts()}
 
 
 def token_ok(request: Request, token: bytes) -> bool:

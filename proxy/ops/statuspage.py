@@ -56,6 +56,11 @@ function ago(at) {
   return s < 90 ? s.toFixed(0) + " s ago" : s < 5400 ? (s / 60).toFixed(0) + " min ago"
     : (s / 3600).toFixed(1) + " h ago";
 }
+function tok(t) {  /* input and output (cached input and reasoning are parts of them) */
+  if (t.input === undefined && t.output === undefined) return "-";
+  const n = (v) => v === undefined ? "?" : v.toLocaleString();
+  return n(t.input) + " in / " + n(t.output) + " out";
+}
 function show(s) {
   $("inflight-count").textContent = s.in_flight.length;
   $("requests").textContent = s.totals.requests;
@@ -88,12 +93,25 @@ function show(s) {
     cell(tr, f.state || "-", f.state ? "state-" + f.state : "");
     cell(tr, f.silent_s === null ? "-" : f.silent_s.toFixed(1) + " s", "num");
     cell(tr, f.events, "num wide");
+    cell(tr, tok(f.tokens), "num wide");
     if (f.state) {
       tr.cells[6].title = f.state + ": " + f.silent_s.toFixed(1) + " s since its last "
         + "content event (healthy within " + f.healthy_within_s + " s); a retry now would "
         + (f.state === "healthy" ? "follow it" : "replace it");
     }
   }, "nothing in flight");
+  fill("spend", s.spend, (tr, m) => {
+    tr.dataset.upstream = m.upstream;
+    tr.dataset.model = m.model;
+    cell(tr, m.upstream);
+    cell(tr, m.model, "mono");
+    cell(tr, m.requests, "num");
+    cell(tr, tok(m.tokens), "num");
+    cell(tr, m.requests_spared, "num");
+    cell(tr, tok(m.tokens_spared), "num");
+    cell(tr, m.fenced, "num wide");
+    cell(tr, tok(m.tokens_cut), "num wide");
+  }, "nothing asked upstream yet");
   fill("recent", s.recent, (tr, r) => {
     tr.dataset.turn = r.turn;
     cell(tr, new Date(r.at * 1000).toLocaleTimeString(), "num");
@@ -212,9 +230,21 @@ PAGE = f"""<!doctype html>
 <th class="num">attempt</th><th class="num">followers</th><th class="num">age</th>
 <th title="healthy: a retry follows it; stalled: a retry replaces it">state</th>
 <th class="num" title="since its last content event, or its start">silent</th>
-<th class="num wide">events relayed</th></tr>
+<th class="num wide">events relayed</th>
+<th class="num wide" title="as its provider reported them so far">tokens</th></tr>
 </thead>
 <tbody id="inflight"></tbody>
+</table></div>
+<h2>Spent and spared since start</h2>
+<div class="scroll"><table>
+<thead><tr><th>upstream</th><th>model</th>
+<th class="num" title="requests sent upstream">requests</th>
+<th class="num" title="as the provider reported them">tokens spent</th>
+<th class="num" title="clients served without a request of their own">requests spared</th>
+<th class="num">tokens spared</th>
+<th class="num wide" title="generations a newer one fenced">fenced</th>
+<th class="num wide" title="what the fenced ones had reported">tokens cut</th></tr></thead>
+<tbody id="spend"></tbody>
 </table></div>
 <h2>Recent supersedes</h2>
 <div class="scroll"><table>

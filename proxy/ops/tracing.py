@@ -134,9 +134,10 @@ class Tracer:
         if system is not None:
             attributes["gen_ai.system"] = attributes["gen_ai.provider.name"] = system
             attributes["gen_ai.operation.name"] = operation
-        if model is not None:
-            attributes["gen_ai.request.model"] = model.group(1)
-        name = " ".join(x for x in (operation or record.method, model and model.group(1)) if x)
+        requested = record.model or (model.group(1) if model is not None else "")
+        if requested:  # the body's model (proxy/wire/usage.py), else the path's (Gemini)
+            attributes["gen_ai.request.model"] = requested
+        name = " ".join(x for x in (operation or record.method, requested) if x)
         # The record's clock is perf_counter; a span wants the wall clock in nanoseconds.
         started = time.time_ns() - int((time.perf_counter() - record.started) * 1e9)
         span = self.tracer.start_span(
@@ -177,6 +178,14 @@ class Tracer:
             attributes["streamfence.fence_latency_ms"] = round(record.fence_latency * 1000, 3)
         if record.superseded_by is not None:
             attributes["streamfence.superseded_by"] = record.superseded_by
+        usage = record.usage
+        if usage is not None:  # OpenTelemetry's GenAI conventions, as the provider reported
+            if usage.model:
+                attributes["gen_ai.response.model"] = usage.model
+            if usage.input is not None:
+                attributes["gen_ai.usage.input_tokens"] = usage.input
+            if usage.output is not None:
+                attributes["gen_ai.usage.output_tokens"] = usage.output
         span.set_attributes(attributes)
         if record.outcome in (Outcome.UPSTREAM_ERROR, Outcome.SHUTDOWN):
             span.set_status(self.trace.Status(self.trace.StatusCode.ERROR, record.error))

@@ -63,7 +63,9 @@ def create_app(
         if log is not None:
             abandoned = runtime.metrics.logs_abandoned
             log.abandoned_hook = lambda reason: abandoned.labels(reason).inc()
-        runtime.generations = Generations(runtime.client, runtime.registry, runtime.budget, log)
+        runtime.generations = Generations(
+            runtime.client, runtime.registry, runtime.budget, log, runtime.ledger.answered
+        )
         await runtime.registry.start()
         await _warn_if_unreachable(runtime.registry, config)
         drain = shutdown.Drain(runtime.active, config.server.shutdown_grace)

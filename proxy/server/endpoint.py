@@ -22,7 +22,7 @@ from proxy.turn.writes import Exchange, error_response_parts
 from proxy.upstream import routing
 from proxy.upstream.client import build_request
 from proxy.upstream.routing import RESERVED_PREFIX, request_headers
-from proxy.wire import dialects, turns
+from proxy.wire import dialects, turns, usage
 
 REQUEST_ID_HEADER = b"x-request-id"
 _ALWAYS, _AUTO = EventIds.ALWAYS, EventIds.AUTO  # bound once: see proxy/turn/rule.py NEW
@@ -122,6 +122,8 @@ class ProxyEndpoint:
             query_turn_id=query_turn,
         )
         record.turn = "" if turn is None else turn.short
+        model = turn.model if turn is not None else usage.model_of(body, route.path)
+        record.model = model or ""
         last_event_id = next((v for n, v in headers if n == LAST_EVENT_ID), None)
 
         def ask_for(keyed: bool, retired: frozenset[str]) -> Ask:
@@ -176,6 +178,7 @@ class ProxyEndpoint:
             retain_for=up.replay_window if followable else 0.0,
             retired=retired,
             dialect=record.dialect,
+            model=record.model or None,
         )
 
 

@@ -23,6 +23,7 @@ class Ask:
     followable: bool  # kept for followers (False: keyless, beside, on_retry = supersede)
     retain_for: float = 0.0  # seconds a completed generation stays replayable (replay_window)
     dialect: str = "sse"  # the caller's (proxy.wire.dialects): which events are keep-alives
+    model: str | None = None  # the model the request names (the ledger's, with the answer's)
     # The bodies of the turn that this generation (or one before it) replaced: a retry of
     # one of them must not replace it in turn.
     retired: frozenset[str] = frozenset()

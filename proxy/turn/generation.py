@@ -1,21 +1,14 @@
 """A generation: one upstream response of a turn, and every client reading it.
 
-A new attempt that goes upstream starts a `Generation`. Its reader task claims the turn's
-fencing token (which supersedes any older generation of the turn), sends the request, and
-appends the answer to a bounded buffer: SSE events (each stamped with an `id:` where
-resuming needs one) or, for any other body, its raw chunks. Clients are subscribers
-(`proxy.turn.relay.Subscriber`): the first one, and any follower of an identical request, read the
-buffer from their own cursor at their own pace.
-
-Fencing is a property of the generation: when a newer generation claims the turn, the lease
-callback cancels the reader (its upstream is closed, not drained) and tells every
-subscriber, which then writes the superseded frame. The upstream is also closed when the
-last subscriber leaves. The lease is held until the last subscriber is gone, so that events
-still in the buffer stay under the fence.
-
-A generation published for other processes has a tee (`proxy.turn.tee`, given by the table):
-the generation log's writer, told its start, its events and its end; when the last
-subscriber here leaves, the upstream stays open while the tee says others still read it.
+Its reader task claims the turn's fencing token (which supersedes any older generation of the
+turn), sends the request, and appends the answer to a bounded buffer: SSE events (stamped with
+an `id:` where resuming needs one) or any other body's raw chunks. Its clients
+(`proxy.turn.relay.Subscriber`: the first one, and any follower) read the buffer from their own
+cursors. When a newer generation claims the turn, the lease callback closes the upstream (not
+drained) and tells every client, which then writes the superseded frame. The last client
+leaving closes the upstream too; the lease is held until then, so that events still in the
+buffer stay under the fence. A generation published for other processes has a tee
+(`proxy.turn.tee`): the log's writer, which keeps the upstream open while others read it.
 """
 
 from __future__ import annotations
@@ -34,6 +27,7 @@ from proxy.tasks import spawn
 from proxy.turn.ask import Ask
 from proxy.turn.buffer import Budget, EventBuffer
 from proxy.turn.clients import Clients, Watcher
+from proxy.turn.meter import Meter
 from proxy.turn.tee import Tee, TeeFor, hold
 from proxy.upstream import client as upstream
 from proxy.upstream.client import UpstreamClient
@@ -47,6 +41,8 @@ _COMPLETED, _FAILED, _SUPERSEDED = End.COMPLETED, End.FAILED, End.SUPERSEDED
 
 
 class Generation:
+    asked_upstream = True  # (a generation of another process, followed here, did not)
+
     def __init__(
         self,
         ask: Ask,
@@ -78,6 +74,7 @@ class Generation:
         self.closing = False  # its upstream is being closed for want of clients: not followable
         self.error: StreamfenceError | None = None
         self.buffer = EventBuffer(ask.buffer_bytes, budget)
+        self.meter = Meter(ask.dialect)  # what the answer reports it cost (proxy/turn/meter.py)
         self.done = False  # the reader has finished, for any reason
         self.completed = False  # ... and the upstream's whole answer is in the buffer
         self.retained = ask.retain_for > 0  # kept after its clients leave, for replays
@@ -114,8 +111,7 @@ class Generation:
         return None if self.lease is None else self.lease.token
 
     def last_alive(self) -> float:
-        """When the upstream last sent content (or its headers, or the request went), on
-        time.monotonic's clock."""
+        """When the upstream last sent content (its headers, the request): time.monotonic."""
         return self.alive_at
 
     def healthy(self, within: float, now: float) -> bool:
@@ -160,6 +156,7 @@ class Generation:
                 )
             else:  # the body's own failures are ours already (upstream.UpstreamClient)
                 async for chunk in self.response.aiter_raw():
+                    self.meter.body(chunk)
                     await self._take([chunk], stamp=False)
                 self.completed = True
         except StreamfenceError as exc:
@@ -178,6 +175,7 @@ class Generation:
 
     def _read_over(self) -> None:
         """The reader's end, for any reason: every waiting subscriber may now finish."""
+        self.meter.close(self.is_sse)  # before they do: each reports the usage known
         self.done = True
         self.headers_ready.set()
         self.clients.wake()
@@ -205,6 +203,8 @@ class Generation:
         )
         if content:
             self.alive_at = time.monotonic()
+            if self.meter.opening:  # the first content event (Anthropic's input tokens)
+                self.meter.opened(events)
         if self._drops_keepalives and self.is_sse:
             events = dialects.without_keepalives(events, self._keepalives)
             if not events:
@@ -214,6 +214,7 @@ class Generation:
         if stamp and self.ask.stamp_ids:
             events = [with_id(e, self.event_id(before + 1 + i)) for i, e in enumerate(events)]
         buffer.add(events)
+        self.meter.tail.extend(events)  # the last few: where the final usage is reported
         if self.tee is not None:
             self.tee.append(events, content)
         clients = self.clients

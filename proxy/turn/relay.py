@@ -30,6 +30,7 @@ from proxy.turn.endings import Cause, Reach, ending
 from proxy.turn.generation import Generation
 from proxy.turn.writes import Exchange, WriteGuard, cut, error_response_parts, response_start
 from proxy.wire import dialects
+from proxy.wire.usage import Usage
 
 _PENDING = Outcome.PENDING  # bound once: see proxy/turn/rule.py NEW
 # The largest last write that also ends the response: under the transport's high-water mark
@@ -78,6 +79,9 @@ class Subscriber:
     def last_alive(self) -> float:
         """Its generation's last sign of life: what a retry of it is judged by."""
         return self.gen.last_alive()
+
+    def usage(self) -> Usage | None:
+        return self.gen.meter.usage
 
     # -- cancellations: each records its cause once ----------------------------------------
     def _stop(self, cause: Cause, reach: Reach) -> None:
@@ -336,6 +340,7 @@ class Subscriber:
             record.outcome, code = ending(self.cause, self.delivered, self.error)
             record.error = code or record.error
         record.finished_at = time.perf_counter()
+        record.usage = self.gen.meter.usage  # what its generation's answer reported it cost
         # The error once per upstream failure: its generation's first client reports it.
         own = self.cause is None and self.ex.went_upstream
         self.on_finish(record, self.error if own else None)

@@ -50,6 +50,8 @@ def cursor_after(follow: Follow, last_event_id: bytes | None) -> int | None:
 
 
 class RemoteGeneration(Generation):
+    asked_upstream = False  # its own process asked, and counts what it cost
+
     def __init__(
         self,
         ask: Ask,

@@ -38,6 +38,7 @@ from proxy.turn.rule import (
 from proxy.turn.tee import TeeFor
 from proxy.upstream.client import UpstreamClient
 from proxy.wire.turns import TurnKey
+from proxy.wire.usage import Usage
 
 if TYPE_CHECKING:
     from proxy.registry.genlog.log import GenerationLog
@@ -52,6 +53,11 @@ RETIRED_SECONDS: Final = 120.0
 # generation of its turn; not beside one) and the versions of the turn it replaces.
 AskFor = Callable[[bool, frozenset[str]], Ask]
 _UPSTREAM = Source.UPSTREAM  # bound once: see rule.NEW
+
+
+# What a generation that asked upstream cost, at its end: upstream, model, usage, fenced, the
+# events it had relayed (proxy/ops/ledger.py `Ledger.answered`).
+Answered = Callable[[str, str | None, Usage | None, bool, int], None]
 
 
 class NothingLeft(Exception):
@@ -78,8 +84,10 @@ class Generations:
         registry: Registry,
         budget: Budget,
         log: GenerationLog | None = None,
+        answered: Answered | None = None,
     ) -> None:
         self.client = client
+        self.answered = answered  # told of each generation that asked upstream, at its end
         self.registry = registry
         self.budget = budget
         self.log = log  # where followable generations are published (other processes)
@@ -186,7 +194,11 @@ class Generations:
         return generation
 
     def _ended(self, generation: Generation) -> None:
-        key = generation.ask.key
+        ask = generation.ask
+        if self.answered is not None and generation.asked_upstream:
+            used = generation.meter.usage
+            self.answered(ask.upstream, ask.model, used, generation.fenced, generation.last_id)
+        key = ask.key
         if key is None or self._live.get(key) is not generation:
             return
         del self._live[key]

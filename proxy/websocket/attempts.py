@@ -14,6 +14,7 @@ from proxy.ops.record import Record
 from proxy.registry import Lease
 from proxy.turn import rule
 from proxy.websocket.types import Data
+from proxy.wire.usage import Usage
 
 
 class Owner(Protocol):
@@ -50,6 +51,10 @@ class ResponseAttempt:
     def last_alive(self) -> float | None:
         """Its last sign of life, for the status page: a keyed response has a twin rule."""
         return None if self.lease is None else self.alive_at
+
+    def usage(self) -> Usage | None:
+        """Known at its end (response.completed), when its record is no longer shown."""
+        return self.record.usage
 
     def abort(self, error: StreamfenceError) -> None:
         """Shutdown: this response ends with `error`, then the socket closes (1001)."""

@@ -31,8 +31,9 @@ from proxy.errors import RegistryUnavailable, StreamfenceError, Superseded
 from proxy.ops.record import Outcome, Record, Source
 from proxy.websocket.attempts import ResponseAttempt, TwinTable, twin_beside
 from proxy.websocket.types import Data, FenceSession
-from proxy.wire import dialects, health, turns
+from proxy.wire import dialects, health, turns, usage
 from proxy.wire.sse import parse_fields
+from proxy.wire.usage import Usage
 
 CREATE = "response.create"
 TERMINAL = frozenset({"response.completed", "response.failed", "response.incomplete", "error"})
@@ -80,6 +81,7 @@ class ResponsesFence:
         lane = parsed.get("stream_id")
         attempt = ResponseAttempt(self._record(), data, lane if isinstance(lane, str) else None)
         attempt.owner = self
+        attempt.record.model = _model(parsed, self.session.upgrade.route.path)
         self.rt.metrics.in_flight.inc()
         self.rt.begin(attempt)
         try:
@@ -144,6 +146,7 @@ class ResponsesFence:
             return True  # no response in flight: nothing to attribute (steer answers...)
         lane: Any = None
         terminal = keepalive = False
+        found: Usage | None = None
         # Most events are deltas of the one response in flight: only those that may end a
         # response or name a lane are parsed (a JSON string value "response.completed" keeps
         # its quotes unescaped; the same words inside a delta's text are escaped or bare).
@@ -156,6 +159,8 @@ class ResponsesFence:
                 return True
             lane = event.get("stream_id")
             terminal = event.get("type") in TERMINAL
+            if terminal:  # (what it cost: response.completed, .incomplete, .failed)
+                found = usage.of_event(dialects.OPENAI_RESPONSES, event)
             keepalive = dialects.names_keepalive(dialects.OPENAI_RESPONSES, event.get("type"))
         queue = self.lanes.get(lane if isinstance(lane, str) else None)
         if not queue:
@@ -174,6 +179,8 @@ class ResponsesFence:
             return False
         self._pending, self._terminal = attempt, terminal
         attempt.last_event = data
+        if terminal:
+            attempt.record.usage = found
         return True
 
     def delivered(self) -> None:
@@ -277,6 +284,8 @@ class ResponsesFence:
         record = attempt.record
         record.outcome = outcome
         record.finished_at = time.perf_counter()
+        fenced = outcome == Outcome.SUPERSEDED  # each response was asked upstream
+        self.rt.ledger.answered(record.upstream, record.model, record.usage, fenced, record.events)
         if attempt.lease is not None:
             self.twins.discard(attempt.lease.key, attempt)
         self.session.spawn(self._release, attempt, error)
@@ -302,3 +311,14 @@ class ResponsesFence:
         record.streaming, record.status = True, 101
         record.forwarded_at = record.started
         return record
+
+
+def _model(message: dict[str, Any], path: str) -> str:
+    """The model a response.create names: at its top level, or in its `response` object (the
+    older shape)."""
+    inner = message.get("response")
+    return (
+        usage.request_model(message, path)
+        or (usage.request_model(inner, path) if isinstance(inner, dict) else None)
+        or ""
+    )

@@ -18,6 +18,7 @@ import orjson
 
 from proxy.asgi import Headers
 from proxy.errors import BadRequest
+from proxy.wire.usage import request_model
 
 MAX_TURN_ID_BYTES = 256
 OPT_OUT = b"none"
@@ -34,6 +35,7 @@ class TurnKey:
     # (or, for a body that is not JSON, its bytes' hash), and the request's streaming mode.
     body_fingerprint: str | None = None
     streaming: bool = False
+    model: str | None = None  # the model the request names (for the ledger, never the key)
 
     @property
     def short(self) -> str:
@@ -91,11 +93,12 @@ def fingerprint(route: str, path: str, body: bytes, ignore_fields: Iterable[str]
 
 def fingerprint_and_mode(
     route: str, path: str, body: bytes, ignore_fields: Iterable[str]
-) -> tuple[str | None, bool]:
-    """The fingerprint, and whether the request asks for a stream (one parse for both)."""
+) -> tuple[str | None, bool, str | None]:
+    """The fingerprint, whether the request asks for a stream, and the model it names (one
+    parse for all three)."""
     streaming = ":streamGenerateContent" in path
     if not body:
-        return None, streaming
+        return None, streaming, request_model(None, path)
     try:
         # json.loads, less the decoder it would build for its keywords on every call.
         text = body.decode(json.detect_encoding(body), "surrogatepass")
@@ -104,15 +107,16 @@ def fingerprint_and_mode(
     except _NotFinite:
         parsed, exotic = json.loads(text), True
     except (ValueError, RecursionError):  # invalid JSON or UTF-8; nested too deep to parse
-        return None, streaming
+        return None, streaming, request_model(None, path)
+    model = request_model(parsed, path)
     if isinstance(parsed, dict):
         streaming = streaming or parsed.get("stream") is True
         for name in ignore_fields:
             parsed.pop(name, None)
     canonical = _canonical(parsed, exotic)
     if canonical is None:
-        return None, streaming
-    return _sha256(b"fingerprint", route.encode(), path.encode(), canonical), streaming
+        return None, streaming, model
+    return _sha256(b"fingerprint", route.encode(), path.encode(), canonical), streaming, model
 
 
 class _NotFinite(Exception):
@@ -197,10 +201,10 @@ def resolve(
     scope = credential_scope(headers, query).encode()
     if turn_id is None and not use_fingerprint:
         return None
-    fp, streaming = fingerprint_and_mode(route, path, body, ignore_fields)
+    fp, streaming, model = fingerprint_and_mode(route, path, body, ignore_fields)
     if turn_id is not None:
         identity = fp or _identity(route, path, query, body)
-        return TurnKey(_sha256(b"turn", scope, turn_id), "header", identity, streaming)
+        return TurnKey(_sha256(b"turn", scope, turn_id), "header", identity, streaming, model)
     if fp is None:
         return None
-    return TurnKey(_sha256(b"turn-fp", scope, fp.encode()), "fingerprint", fp, streaming)
+    return TurnKey(_sha256(b"turn-fp", scope, fp.encode()), "fingerprint", fp, streaming, model)

@@ -38,6 +38,8 @@ MAX_BODY_BYTES = 4 << 20
 # How many of a stream's last events may hold its final usage: OpenAI's usage chunk comes
 # just before `[DONE]`, Anthropic's `message_delta` just before `message_stop`.
 TAIL_EVENTS = 4
+# A model name longer than this, or with control characters, is not one (odd or hostile).
+MAX_MODEL_CHARS = 200
 
 
 class Kind(StrEnum):
@@ -72,6 +74,11 @@ class Usage:
         return replace(self, **{k: v for k, v in known.items() if v is not None})
 
 
+def reports_opening(dialect: str) -> bool:
+    """A stream of `dialect` reports usage in its first content event (`opening`)."""
+    return dialect == ANTHROPIC
+
+
 def opening(dialect: str, event: bytes) -> Usage | None:
     """What a stream's first content event says (only Anthropic's says anything)."""
     if dialect != ANTHROPIC or event.find(b"message_start") < 0:
@@ -90,7 +97,7 @@ def closing(dialect: str, events: Sequence[bytes]) -> Usage | None:
         if event.find(b"sage") < 0:  # "usage", "usageMetadata": nothing else is parsed
             continue
         data = _data(event)
-        usage = None if data is None else _of_event(dialect, data)
+        usage = None if data is None else of_event(dialect, data)
         if usage is not None:
             found = usage if found is None else found.merged(usage)
     return found
@@ -108,7 +115,7 @@ def of_body(dialect: str, body: bytes) -> Usage | None:
         return None
     if dialect == OPENAI_RESPONSES and data.get("object") == "response":
         return _responses(data)
-    return _of_event(dialect, data)
+    return of_event(dialect, data)
 
 
 def request_model(body: Any, path: str) -> str | None:
@@ -116,14 +123,26 @@ def request_model(body: Any, path: str) -> str | None:
     (`/v1beta/models/<model>:generateContent`)."""
     if isinstance(body, Mapping):
         model = body.get("model")
-        if isinstance(model, str) and model:
+        if isinstance(model, str) and 0 < len(model) <= MAX_MODEL_CHARS and model.isprintable():
             return model
     marker = "/models/"
     at = path.find(marker)
     if at >= 0:
         name = path[at + len(marker) :].partition(":")[0].partition("/")[0]
-        return name or None
+        return name if 0 < len(name) <= MAX_MODEL_CHARS and name.isprintable() else None
     return None
+
+
+def model_of(body: bytes, path: str) -> str | None:
+    """The model of a request whose body was not read for its fingerprint (no turn key):
+    parsed here, if it is small enough to look at."""
+    if not body.startswith(b"{") or len(body) > MAX_BODY_BYTES:
+        return request_model(None, path)
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        parsed = None
+    return request_model(parsed, path)
 
 
 def _data(event: bytes) -> dict[str, Any] | None:
@@ -137,7 +156,9 @@ def _data(event: bytes) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _of_event(dialect: str, data: dict[str, Any]) -> Usage | None:
+def of_event(dialect: str, data: dict[str, Any]) -> Usage | None:
+    """The usage of one parsed event (or whole answer) of `dialect`, where it reports one (a
+    WebSocket's Responses events come parsed)."""
     if dialect == GEMINI or "usageMetadata" in data:
         return _gemini(data)
     if dialect == ANTHROPIC:

@@ -12,8 +12,10 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.ops.ledger import Ledger
 from proxy.ops.metrics import Metrics
 from proxy.ops.record import Record
+from proxy.wire.usage import Usage
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "streamfence.json"
@@ -53,6 +55,9 @@ def exported() -> dict[str, set[str]]:
     metrics.follow_refused.labels("u", "buffer_over_cap").inc()
     metrics.registry_unavailable.inc()
     metrics.logs_abandoned.labels("lost").inc()
+    ledger = Ledger(metrics, 10)  # its counters: spent, cut and events cut; spared
+    ledger.answered("u", "m", Usage(input=1, output=1), True, 3)
+    ledger.served("u", "m", Usage(input=1, output=1))
     out: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(metrics.render().decode()):
         for sample in family.samples:
@@ -138,6 +143,10 @@ def test_every_query_names_a_metric_and_labels_the_proxy_exports() -> None:
         "streamfence_added_ttfb_seconds_bucket",
         "streamfence_upstream_errors_total",
         "streamfence_build_info",
+        "streamfence_tokens_total",
+        "streamfence_tokens_spared_total",
+        "streamfence_tokens_cut_total",
+        "streamfence_events_cut_total",
     ):
         assert needed in seen, needed
 

@@ -185,9 +185,13 @@ def sink(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[logs.LineSink, _Stre
     stream = _Stream()
     line_sink = logs.LineSink(logging.StreamHandler(stream))
     monkeypatch.setattr(logs, "_sink", line_sink)
-    monkeypatch.setattr(logs.logger, "level", logging.INFO)
+    # setLevel, not the attribute: the logger caches isEnabledFor's answers per level, and
+    # only setLevel clears that cache (a test after one that logged at WARNING saw nothing).
+    level = logs.logger.level
+    logs.logger.setLevel(logging.INFO)
     yield line_sink, stream
     line_sink.flush()
+    logs.logger.setLevel(level)
 
 
 def _alone(sink: tuple[logs.LineSink, _Stream], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -510,7 +514,7 @@ def test_lines_left_by_a_loop_that_closed_before_its_flush_go_out_with_the_next(
     closed = asyncio.new_event_loop()
     closed.close()
     # As a loop leaves it that closed with its flush still scheduled:
-    line_sink.lines, line_sink._loop, line_sink._scheduled = ["left"], closed, True
+    line_sink.lines, line_sink._loop, line_sink._scheduled = ["left"], weakref.ref(closed), True
 
     async def log() -> None:
         logs.log_request(Record("GET", "/next"), "json")

@@ -154,7 +154,8 @@ async def test_labels_never_carry_credentials_turn_ids_or_bodies(
         assert secret not in text
         assert secret.split()[-1] not in text
     assert "SECRET" not in text
-    allowed = {"upstream", "dialect", "outcome", "kind", "how", "le"}
+    # `model`: the model a request names, bounded per upstream (tests/ops/test_ledger.py).
+    allowed = {"upstream", "dialect", "outcome", "kind", "how", "le", "model"}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "streamfence_build_info" or not sample.name.startswith("stream"):

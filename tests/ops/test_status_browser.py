@@ -264,6 +264,12 @@ async def test_status_page_shows_a_turn_in_flight_then_its_supersede(
         assert [e async for e in retry_events][-1].data == "[DONE]"
         assert [e async for e in other_events][-1].data == "[DONE]"
         assert [e async for e in stuck_events][-1].data == "[DONE]"
+        # Since start, per upstream and model: three requests to the default upstream, one of
+        # them fenced (the chat streams report no usage: no tokens).
+        spend = "document.querySelector('#spend tr[data-upstream=\"default\"]')"
+        await page.wait_for(f"{spend}?.cells[2].textContent === '3'")
+        cells = await page.text(f"[...{spend}.cells].map((c) => c.textContent).join('|')")
+        assert cells == "default|m|3|-|0|-|1|-"
 
 
 async def test_status_page_without_the_token_shows_nothing(

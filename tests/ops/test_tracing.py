@@ -111,7 +111,7 @@ async def test_one_span_per_request_child_of_the_caller_and_parent_of_the_upstre
     async with make_proxy(upstream.url, **options) as proxy, proxy.client() as client:
         traced = await client.post(
             CHAT,
-            json=chat_body("traced"),
+            json=chat_body("traced", usage={"input": 12, "output": 5}, model="m-2026-01"),
             headers={"traceparent": caller, "tracestate": "vendor=1", "X-Turn-Id": "t-1"},
         )
         assert traced.status_code == 200
@@ -144,9 +144,12 @@ async def test_one_span_per_request_child_of_the_caller_and_parent_of_the_upstre
     assert sent["tracestate"] == "vendor=1"
     attrs = first["attrs"]
     assert attrs["gen_ai.system"] == "openai" and attrs["gen_ai.operation.name"] == "chat"
+    # The model asked for and the one that answered, and what the answer reported it cost.
+    assert (attrs["gen_ai.request.model"], attrs["gen_ai.response.model"]) == ("m", "m-2026-01")
+    assert (attrs["gen_ai.usage.input_tokens"], attrs["gen_ai.usage.output_tokens"]) == (12, 5)
     assert attrs["streamfence.turn"] == traced.headers["x-streamfence-turn"]
     assert attrs["streamfence.attempt"] == 1 and attrs["streamfence.outcome"] == "completed"
-    assert attrs["streamfence.events"] == 5 and attrs["http.response.status_code"] == 200
+    assert attrs["streamfence.events"] == 6 and attrs["http.response.status_code"] == 200  # +usage
     assert attrs["http.request.method"] == "POST" and attrs["url.path"] == CHAT
     for secret in ("t-1", "traced"):  # neither the raw turn id nor the body
         assert all(secret != v for s in collector.spans for v in s["attrs"].values())
