@@ -148,8 +148,12 @@ async def test_supersede_policy_fences_every_repeat(
             a_rest = [e async for e in a_events]
             upstream.seen[1].release(10)
             b_text, _ = await _text(b)
+        await proxy.runtime.wait_idle()
+        # Once the retry has answered, the same request again is a new question, not a
+        # stale repeat of a version some newer one replaced: repeats are never refused here.
+        again = await client.post(CHAT, json={**body, "stream": False}, headers=TURN)
     assert _codes(a_rest) == ["stream_superseded"]
-    assert b_text == "P0 P1 " and len(upstream.seen) == 2
+    assert b_text == "P0 P1 " and again.status_code == 200 and len(upstream.seen) == 3
 
 
 async def test_a_different_body_under_one_turn_id_fences_the_generation_and_its_followers(
@@ -185,12 +189,17 @@ async def test_a_non_streaming_twin_goes_beside_a_healthy_stream(
             stream_events = events(streaming)
             await anext(stream_events)
             whole = await client.post(CHAT, json={**body, "stream": False}, headers=TURN)
+            # The stream is still the turn's generation to follow: the one beside it is not.
+            twin = await open_stream(stack, client, CHAT, body, TURN)
+            assert twin.headers["x-streamfence-source"] == "followed"
             upstream.seen[0].release(10)
             rest = [e async for e in stream_events]
+            twin_text, _ = await _text(twin)
     assert whole.headers["content-type"] == "application/json"
     assert whole.headers["x-streamfence-source"] == "beside"
     assert whole.json()["choices"][0]["message"]["content"] == "M0 M1 M2 "
     assert "".join(e.text for e in rest) == "M1 M2 " and not _codes(rest)
+    assert twin_text == "M0 M1 M2 "
     assert len(upstream.seen) == 2
 
 
@@ -285,10 +294,32 @@ async def test_eventsource_style_get_names_its_turn_in_the_query_and_stops_at_th
         last = _ids(first.text)[-1]
         again = await client.get(url, headers={"Last-Event-ID": last})
         fresh = await client.get(url, headers={"Last-Event-ID": "1-1"})
+        plain = await client.get(url)  # no Last-Event-ID at all: a new start
     assert upstream.seen[0].query == "topic=x"  # the turn parameter is the proxy's
     assert first.headers["x-streamfence-source"] == "upstream"
     assert again.status_code == 204 and again.content == b""  # EventSource: stop reconnecting
-    assert fresh.status_code == 200 and len(upstream.seen) == 2
+    assert fresh.status_code == 200 and plain.status_code == 200 and len(upstream.seen) == 3
+
+
+async def test_an_eventsource_reconnecting_after_a_cut_stream_gets_a_new_answer(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream
+) -> None:
+    # The upstream broke the stream: its last id is not the end of an answer, so a
+    # reconnect from it is not told that nothing is left (204 would stop an EventSource).
+    upstream.queue.append(Script(stream=True, tokens=4, prefix="C", fail_after=2))
+    upstream.default = Script(stream=True, tokens=2, prefix="N")
+    url = f"{SSE_PATH}?streamfence_turn=tab-2"
+    async with make_proxy(upstream.url, **HEALTHY) as proxy, proxy.client() as client:
+        cut = ""
+        async with client.stream("GET", url) as r:
+            # Cut downstream too, after the error event (CONTRACT section 5).
+            with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
+                async for text in r.aiter_text():
+                    cut += text
+        await proxy.runtime.wait_idle()
+        again = await client.get(url, headers={"Last-Event-ID": _ids(cut)[-1]})
+    assert "C1 " in cut and "C2 " not in cut
+    assert again.status_code == 200 and "N1 " in again.text and len(upstream.seen) == 2
 
 
 async def test_the_proxys_event_id_wins_over_the_upstreams(

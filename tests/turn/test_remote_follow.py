@@ -110,16 +110,22 @@ async def test_identical_requests_on_two_processes_share_one_generation(
             assert b.headers["x-streamfence-source"] == "followed"
             assert b.headers["x-streamfence-attempt"] == "1"
             assert b.headers["x-streamfence-turn"] == a.headers["x-streamfence-turn"]
+            # A third on the same process follows it there: one reader of the log per process.
+            c = await open_stream(stack, cb, CHAT, body, turn)
+            c_events = events(c)
+            assert c.headers["x-streamfence-source"] == "followed"
+            assert len(pb.runtime.generations or ()) == 1
             upstream.seen[0].release(10)
-            a_rest, b_rest = await asyncio.wait_for(
-                asyncio.gather(_rest(a_events), _rest(b_events)), 10
+            a_rest, b_rest, c_rest = await asyncio.wait_for(
+                asyncio.gather(_rest(a_events), _rest(b_events), _rest(c_events)), 10
             )
         assert len(upstream.seen) == 1  # asked upstream once, across two processes
         assert "".join(e.text for e in b_rest) == "R1 R2 R3 R4 "  # then live, in order
         assert [e.data for e in b_rest] == [e.data for e in a_rest]  # the very same events
-        assert b_rest[-1].data == "[DONE]" and not _errors(a_rest + b_rest)
+        assert "".join(e.text for e in c_rest) == "R0 R1 R2 R3 R4 "
+        assert b_rest[-1].data == "[DONE]" and not _errors(a_rest + b_rest + c_rest)
         assert (
-            metric(pb.runtime, "streamfence_follows_total", upstream="default", how="followed") == 1
+            metric(pb.runtime, "streamfence_follows_total", upstream="default", how="followed") == 2
         )
         assert metric(pb.runtime, "streamfence_generations_total", upstream="default") == 0
         await pb.runtime.wait_idle()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,7 @@ from proxy.turn import rule as follow
 from proxy.turn.ask import Ask as RealAsk
 from proxy.turn.buffer import Budget
 from proxy.turn.rule import Attempt, Decision, Policy
-from proxy.turn.table import RETIRED_SECONDS, Generations
+from proxy.turn.table import KEPT, RETIRED_SECONDS, Generations, _remember
 from proxy.upstream.client import UpstreamClient
 
 
@@ -165,3 +166,13 @@ async def test_a_refusal_of_a_replaced_version_expires_after_retired_seconds() -
     assert table.decide("turn", retry, policy, ended + RETIRED_SECONDS + 1.0).action == "new"
     # Another version of the turn was never refused.
     assert table.decide("turn", Attempt("other", False, True, None), policy, ended).action == "new"
+
+
+def test_the_table_remembers_the_most_recent_turns_and_no_more() -> None:
+    memory: OrderedDict[str, int] = OrderedDict()
+    for n in range(KEPT):
+        _remember(memory, str(n), n)
+    _remember(memory, "0", -1)  # remembered again: now the most recent
+    _remember(memory, "new", 1)  # one too many: the least recent goes
+    assert len(memory) == KEPT
+    assert "1" not in memory and memory["0"] == -1 and list(memory)[-2:] == ["0", "new"]
