@@ -40,7 +40,6 @@ _CLOCKS = {"started", "forwarded_at", "upstream_headers_at", "first_byte_at", "f
 _LOGGED = tuple(
     f.name for f in fields(Record) if f.name not in _CLOCKS | {"fence_latency", "trace", "usage"}
 )
-_NO_USAGE: dict[str, object] = {"response_model": None}  # the token fields logged only when known
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -56,9 +55,7 @@ def line(record: Record, fmt: LogFormat = LogFormat.JSON) -> str:
         fence_latency_ms=_ms(record.fence_latency),
     )
     usage = record.usage
-    if usage is None:
-        data.update(_NO_USAGE)
-    else:  # the kinds the provider reported: input_tokens, output_tokens, ...
+    if usage is not None:  # the kinds the provider reported: input_tokens, output_tokens, ...
         data["response_model"] = usage.model
         data.update((f"{kind.value}_tokens", n) for kind, n in usage.counts())
     return _render("request", data, fmt)

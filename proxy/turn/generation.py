@@ -156,7 +156,6 @@ class Generation:
                 )
             else:  # the body's own failures are ours already (upstream.UpstreamClient)
                 async for chunk in self.response.aiter_raw():
-                    self.meter.body(chunk)
                     await self._take([chunk], stamp=False)
                 self.completed = True
         except StreamfenceError as exc:
@@ -175,7 +174,7 @@ class Generation:
 
     def _read_over(self) -> None:
         """The reader's end, for any reason: every waiting subscriber may now finish."""
-        self.meter.close(self.is_sse)  # before they do: each reports the usage known
+        self.meter.close(self.is_sse, self.buffer, self.raw_headers)  # first: clients report it
         self.done = True
         self.headers_ready.set()
         self.clients.wake()
@@ -214,7 +213,6 @@ class Generation:
         if stamp and self.ask.stamp_ids:
             events = [with_id(e, self.event_id(before + 1 + i)) for i, e in enumerate(events)]
         buffer.add(events)
-        self.meter.tail.extend(events)  # the last few: where the final usage is reported
         if self.tee is not None:
             self.tee.append(events, content)
         clients = self.clients
@@ -247,6 +245,7 @@ class Generation:
         self._trim()
 
     def _trim(self) -> None:
+        self.meter.dropping(self.buffer)  # it keeps the last events: the final usage is there
         self.buffer.drop_through(self.clients.slowest(self.last_id))
         self._room.set()
 

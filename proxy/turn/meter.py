@@ -1,32 +1,33 @@
-"""What a generation's answer cost, read as it passes (issue 30): the provider's own usage
+"""What a generation's answer cost, read once it is over (issue 30): the provider's own usage
 report, found where each dialect puts it (proxy/wire/usage.py), never by parsing every event.
 
 A stream is looked at twice: its first content event (Anthropic's `message_start` carries
-the input tokens, so a generation fenced mid-answer still has them) and its last few events
-(every dialect reports its final counts at the end); the generation keeps those last events
-as they go by (`tail`, a bounded deque extended once a read). A body that is not a stream is
-kept, by reference, up to the size worth parsing, and read once at its end.
+the input tokens, so a generation fenced mid-answer still has them) and, at its end, its last
+few events (every dialect reports its final counts there), which are still in the
+generation's buffer. A buffer over its cap drops what its clients have written: it tells the
+meter first (`dropping`), which keeps the last few. A body that is not a stream is read from
+the buffer at its end, decoded from its Content-Encoding, under a size cap; one the buffer
+had to drop is unknown. Nothing here runs per relayed event.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
-from proxy.wire import usage
-from proxy.wire.usage import Usage
+from proxy.asgi import Headers
+from proxy.turn.buffer import EventBuffer
+from proxy.wire import codings, usage
+from proxy.wire.usage import TAIL_EVENTS, Usage
 
 
 class Meter:
-    __slots__ = ("_body", "_body_size", "_dialect", "opening", "tail", "usage")
+    __slots__ = ("_dialect", "_tail", "_tail_end", "opening", "usage")
 
     def __init__(self, dialect: str) -> None:
         self._dialect = dialect
         # Waiting for the first content event, where the dialect reports anything there.
         self.opening = usage.reports_opening(dialect)
-        self.tail: deque[bytes] = deque(maxlen=usage.TAIL_EVENTS)  # the last events read
         self.usage: Usage | None = None  # what is known so far
-        self._body: list[bytes] | None = []  # a body's parts; None once over the size cap
-        self._body_size = 0
+        self._tail: list[bytes] = []  # the last events before the buffer last dropped any
+        self._tail_end = 0  # ... and the number of the last of them
 
     def opened(self, events: list[bytes]) -> None:
         """The first read with content: its first content event may report usage."""
@@ -37,24 +38,38 @@ class Meter:
                 self.usage = found
                 return
 
-    def body(self, chunk: bytes) -> None:
-        """A chunk of a body that is not an event stream."""
-        if self._body is None:
-            return
-        self._body_size += len(chunk)
-        if self._body_size > usage.MAX_BODY_BYTES:
-            self._body = None  # too large to look at: unknown
-        else:
-            self._body.append(chunk)
+    def dropping(self, buffer: EventBuffer) -> None:
+        """`buffer` is about to drop events its clients have written: keep the last few."""
+        self._tail = self._last(buffer)
+        self._tail_end = buffer.last_id
 
-    def close(self, is_sse: bool) -> Usage | None:
+    def close(self, is_sse: bool, buffer: EventBuffer, headers: Headers) -> Usage | None:
         """The answer is all in (or cut): what it reported."""
         if is_sse:
-            final = usage.closing(self._dialect, list(self.tail))
+            last = self._last(buffer)
+            # Most streams report nothing (an OpenAI client that did not ask): no parse.
+            final = usage.closing(self._dialect, last) if _mention_usage(last) else None
+        elif buffer.base == 0 and buffer.events and buffer.size <= usage.MAX_BODY_BYTES:
+            whole = b"".join(buffer.events)  # (0 < base: the buffer dropped some: unknown)
+            coding = next((v for n, v in headers if n.lower() == b"content-encoding"), b"")
+            body = codings.decoded(whole, coding, usage.MAX_BODY_BYTES)
+            final = None if body is None else usage.of_body(self._dialect, body)
         else:
-            whole = b"".join(self._body) if self._body else b""
-            final = usage.of_body(self._dialect, whole) if whole else None
-        self._body = None
-        self.tail.clear()
-        self.usage = final if self.usage is None else self.usage.merged(final)
+            final = None
+        if final is not None:
+            self.usage = final if self.usage is None else self.usage.merged(final)
         return self.usage
+
+    def _last(self, buffer: EventBuffer) -> list[bytes]:
+        """The last TAIL_EVENTS events: those kept at the last drop, then the buffer's own."""
+        if not self._tail:  # nothing dropped: the buffer has them all
+            return buffer.events[-TAIL_EVENTS:]
+        newer = buffer.since(max(self._tail_end, buffer.last_id - TAIL_EVENTS))
+        return (self._tail + newer)[-TAIL_EVENTS:]
+
+
+def _mention_usage(events: list[bytes]) -> bool:
+    for event in events:
+        if event.find(b"usage") >= 0:  # "usage", "usageMetadata" (find: cheaper than `in`)
+            return True
+    return False

@@ -12,6 +12,7 @@ Pure and I/O-free.
 from __future__ import annotations
 
 import importlib.util
+import zlib
 
 
 def _installed(*modules: str) -> bool:
@@ -62,3 +63,31 @@ def _refused(params: bytes) -> bool:
             except ValueError:
                 return False
     return False
+
+
+def decoded(body: bytes, coding: bytes, limit: int) -> bytes | None:
+    """`body` decoded from its Content-Encoding `coding`, if it decodes to at most `limit`
+    bytes (a small body may inflate to gigabytes); None when it does not, or is in a coding
+    this process cannot decode (or in more than one: nobody sends those)."""
+    coding = coding.strip().lower()
+    try:
+        if coding in (b"", b"identity"):
+            out = body
+        elif coding in (b"gzip", b"x-gzip", b"deflate"):
+            # gzip, or deflate's zlib wrapper (47: either header); deflate sent raw (-15)
+            # by servers that misread the RFC.
+            wbits = 47 if coding != b"deflate" or body[:1] == b"x" else -15
+            out = zlib.decompressobj(wbits).decompress(body, limit + 1)
+        elif coding == b"br" and b"br" in DECODABLE:
+            import brotli  # type: ignore[import-untyped]
+
+            out = brotli.Decompressor().process(body, output_buffer_limit=limit + 1)
+        elif coding == b"zstd" and b"zstd" in DECODABLE:
+            import zstandard
+
+            out = zstandard.ZstdDecompressor().stream_reader(body).read(limit + 1)
+        else:
+            return None
+    except Exception:  # noqa: BLE001 - each library's own error for a corrupt body: unknown
+        return None
+    return out if len(out) <= limit else None

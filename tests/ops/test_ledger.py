@@ -250,3 +250,21 @@ async def test_the_status_feed_shows_a_turn_s_tokens_so_far_and_what_was_spent_a
     assert (row["upstream"], row["model"], row["requests"]) == ("default", "model-x-2026", 1)
     assert row["tokens"] == row["tokens_spared"] == REPORTED["anthropic"]
     assert (row["requests_spared"], row["fenced"], row["tokens_cut"]) == (1, 0, {})
+
+
+async def test_a_stream_longer_than_its_buffer_still_reports_its_usage(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory
+) -> None:
+    # Over join_buffer_bytes the buffer drops what the client has written, the usage chunk
+    # included by the time the stream ends: the meter keeps the last events at each drop.
+    async with (
+        make_proxy(upstream.url, **{"upstream.join_buffer_bytes": 512}) as proxy,
+        proxy.client() as client,
+    ):
+        async with client.stream(
+            "POST", PATHS["openai-chat"], json=body("openai-chat", tokens=200)
+        ) as r:
+            [_ async for _ in r.aiter_bytes()]
+        await proxy.runtime.wait_idle()
+        assert proxy.runtime.budget.overflows == 1
+        assert tokens(proxy, "streamfence_tokens_total") == USAGE
