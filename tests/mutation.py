@@ -268,7 +268,7 @@ def run_module(path: str, spec: dict[str, Any], args: argparse.Namespace) -> Non
             continue
         limit = min(args.factor * sum(times.get(i, 1.0) for i in chosen) + 20.0, 900.0)
         code = run_child(
-            [*PYTEST, "-x", "--no-cov", "-p", "no:randomly", *chosen],
+            [*PYTEST, "-x", "--tb=no", "--no-cov", "-p", "no:randomly", *chosen],
             timeout=limit,
             mutant=(name, ROOT / path, mutated_code(ROOT / path, n, lua=bool(spec.get("lua")))),
         )

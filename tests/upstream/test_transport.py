@@ -20,12 +20,14 @@ import httpx
 import pytest
 import trustme
 
+from proxy.config import egress
 from proxy.config.load import load
 from proxy.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
 from proxy.upstream import client as upstream
 from proxy.upstream import connection, pacing
 from proxy.upstream.client import create_client, translate_errors
 from proxy.upstream.transport import Body, Transport
+from tests.config.test_egress import forward_proxy
 from tests.conftest import PROXY_LOOP
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -155,6 +157,33 @@ async def test_a_response_that_says_connection_close_never_goes_back_to_the_pool
         assert transport.idle() == 0 and transport.in_use() == 0
 
 
+@pytest.mark.parametrize(
+    ("url", "asked"),
+    [
+        ("http://127.0.0.1/x", ("GET", "http://127.0.0.1/x")),
+        ("https://127.0.0.1/x", ("CONNECT", "127.0.0.1:443")),
+    ],
+)
+async def test_a_url_without_a_port_goes_to_its_schemes_default_port(
+    url: str, asked: tuple[str, str]
+) -> None:
+    # Seen at an egress proxy, which is chosen per origin (scheme, host, port): the port the
+    # pool keys a connection by is the one the origin's egress was planned for.
+    async with forward_proxy(refuse_connect=True) as fp:
+        overrides = {"upstream.url": url.removesuffix("/x"), "upstream.egress_proxy": fp.url}
+        transport = Transport(egress=egress.plan(load(env={}, overrides=overrides), {}))
+        async with client(transport) as c:
+            with pytest.raises(httpx.HTTPError):  # nothing listens there: only the ask counts
+                await c.get(url)
+    assert [(method, target) for method, target, _ in fp.seen] == [asked]
+
+
+def test_idle_connections_expire_before_the_common_servers_close_them() -> None:
+    # uvicorn's and Node's keep-alive timeout is 5 s: a connection reused in the instant the
+    # server closes it costs that request a retry; the default expiry stays under it.
+    assert Transport().expiry < 5.0
+
+
 async def test_chunked_request_body_is_framed() -> None:
     async def parts() -> AsyncIterator[bytes]:
         yield b"one,"
@@ -227,6 +256,52 @@ async def test_closing_an_unfinished_response_closes_the_connection_at_once() ->
         await asyncio.wait_for(server.saw_eof.wait(), GUARD)
         assert transport.in_use() == 0
         assert transport.idle() == 0
+
+
+async def test_cancel_while_waiting_for_body_bytes_closes_the_connection_in_that_step() -> None:
+    # The fence cancels a reader waiting for the next chunk: its connection is closed by the
+    # cancellation itself, before anyone gets round to closing the response.
+    transport = Transport()
+    async with serve(answers_then_holds(FIRST_CHUNK)) as server, client(transport) as c:
+        async with c.stream("GET", server.url) as r:
+            chunks = r.aiter_raw()
+            assert await anext(chunks) == b"first"
+            waiting = asyncio.create_task(anext(chunks))
+            await asyncio.sleep(0)  # it waits for bytes the server never sends
+            assert transport.in_use() == 1
+            waiting.cancel()
+            await asyncio.wait({waiting}, timeout=GUARD)
+            assert waiting.cancelled() and transport.in_use() == 0  # the response still open
+        await asyncio.wait_for(server.saw_eof.wait(), GUARD)
+
+
+async def test_closing_the_transport_closes_its_connections_busy_or_idle() -> None:
+    transport = Transport()
+    async with serve(answers_then_holds(FIRST_CHUNK)) as server, client(transport) as c:
+        async with c.stream("GET", server.url) as r:
+            assert await anext(r.aiter_raw()) == b"first"
+            await transport.aclose()  # a proxy shutting down
+            await asyncio.wait_for(server.saw_eof.wait(), GUARD)
+            assert transport.in_use() == 0
+
+
+async def test_an_idle_connection_the_server_closes_leaves_the_pool() -> None:
+    async def answers_then_closes(
+        server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter
+    ) -> None:
+        await server.read_request(r)
+        w.write(content_length_response(b"ok"))
+        await w.drain()
+        # returns: the connection is closed, idle in the client's pool by then
+
+    transport = Transport()
+    async with serve(answers_then_closes) as server, client(transport) as c:
+        assert (await c.get(server.url)).content == b"ok"
+        for _ in range(500):  # until the client's side has seen the close
+            if transport.idle() == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert transport.idle() == 0 and transport.in_use() == 0
 
 
 async def test_cancel_while_waiting_for_headers_closes_the_connection() -> None:
@@ -343,6 +418,27 @@ async def test_tls_against_a_self_signed_server(ca: trustme.CA) -> None:
                 await c.post(server.url, content=b"secret")
 
 
+async def test_a_connection_through_an_egress_tunnel_is_the_transports_to_close(
+    ca: trustme.CA,
+) -> None:
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    client_ctx = ssl.create_default_context()
+    ca.configure_trust(client_ctx)
+    async with (
+        serve(answers_then_holds(FIRST_CHUNK), tls=server_ctx) as server,
+        forward_proxy() as fp,
+    ):
+        overrides = {"upstream.url": server.url, "upstream.egress_proxy": fp.url}
+        plan = egress.plan(load(env={}, overrides=overrides), {})
+        transport = Transport(ssl_context=client_ctx, egress=plan)
+        async with client(transport) as c, c.stream("GET", server.url) as r:
+            assert await anext(r.aiter_raw()) == b"first"
+            assert transport.in_use() == 1 and [m for m, _, _ in fp.seen] == ["CONNECT"]
+            await transport.aclose()  # a proxy shutting down
+            await asyncio.wait_for(server.saw_eof.wait(), GUARD)
+
+
 async def test_the_shared_client_keeps_no_cookies_and_adds_no_headers() -> None:
     async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         while await server.read_request(r) is not None:
@@ -369,11 +465,19 @@ async def test_the_shared_client_keeps_no_cookies_and_adds_no_headers() -> None:
 
 
 async def test_an_idle_connection_past_its_expiry_is_not_reused() -> None:
+    async def echo_until_eof(
+        server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter
+    ) -> None:
+        await keep_alive_echo(server, r, w)
+        server.saw_eof.set()
+
     transport = Transport(keepalive_expiry=0.0)  # every idle connection has expired
-    async with serve(keep_alive_echo) as server, client(transport) as c:
+    async with serve(echo_until_eof) as server, client(transport) as c:
         for _ in range(2):
             assert (await c.post(server.url, content=b"x")).content == b"echo:x"
         assert server.connections == 2
+        # The expired one was closed when it was passed over, not left open to the end.
+        await asyncio.wait_for(server.saw_eof.wait(), GUARD)
 
 
 async def test_silence_mid_body_past_the_read_timeout_is_a_read_timeout() -> None:
