@@ -417,8 +417,11 @@ async def test_tokens_never_repeat_for_a_key_even_after_redis_loses_its_data(
         assert all(again[k].token > first[k].token for k in keys)
         async with redis_client(redis_server) as r:
             await r.flushall()  # every node: as a restart without persistence
+            seconds, micros = await r.time()
         after = {k: await registry.claim(k) for k in keys}
         assert all(after[k].token > again[k].token for k in keys)
+        # Floored by the clock in microseconds: later than any token of the data it lost.
+        assert all(after[k].token >= seconds * 1_000_000 + micros for k in keys)
         assert all(after[k].attempt == 1 for k in keys)  # the entries went with the data
         for lease in [*first.values(), *again.values(), *after.values()]:
             await registry.release(lease)
