@@ -17,14 +17,14 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.registry.genlog.log import DETECT_WITHIN, LogWriter
+from proxy.registry.genlog.log import DEAD_AFTER, DETECT_WITHIN, LogWriter
 from proxy.registry.redis import RedisRegistry
 from tests.conftest import Proxy, ProxyFactory
 from tests.netlink import Link
 from tests.probes import metric
 from tests.redis_server import REDIS_SERVER, RedisServer, Server, redis_client
 from tests.registry.test_redis import ProxyProcess, _wait_subscribers
-from tests.scripted import ScriptedUpstream
+from tests.scripted import Script, ScriptedUpstream
 from tests.sse_client import Event, chat_body, events, open_stream
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
@@ -97,6 +97,17 @@ async def _rest(stream: AsyncIterator[Event]) -> list[Event]:
     return got
 
 
+async def _published(server: Server, events: int) -> None:
+    """Until the one generation log in Redis has `events` events published."""
+    async with redis_client(server) as r:
+        for _ in range(500):
+            metas = [key async for key in r.scan_iter(match="*:meta")]
+            if metas and int(await r.hget(metas[0], "next") or 0) >= events:
+                return
+            await asyncio.sleep(0.01)
+    raise AssertionError(f"{events} events were never published")
+
+
 async def test_identical_requests_on_two_processes_share_one_generation(
     make_proxy: ProxyFactory, upstream: ScriptedUpstream, redis_server: Server
 ) -> None:
@@ -160,6 +171,108 @@ async def test_twins_sent_at_once_to_two_processes_are_asked_upstream_once(
                 )
                 assert sources == ["followed", "upstream"], (i, sources)
         assert len(upstream.seen) == 10
+
+
+async def test_a_quiet_stream_whose_writer_is_alive_is_followed_on_another_process(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, redis_server: Server
+) -> None:
+    # Quiet for longer than a dead writer's window (a model thinking), still healthy: the
+    # writer's heartbeat says it is alive, whatever its last content event's age.
+    body = chat_body(gated=True, tokens=3, prefix="Q")
+    turn = {"X-Turn-Id": "remote-quiet"}
+    async with two_proxies(make_proxy, upstream, redis_server) as (pa, pb):
+        async with pa.client() as ca, pb.client() as cb, AsyncExitStack() as stack:
+            a = await open_stream(stack, ca, CHAT, body, turn)
+            a_events = events(a)
+            assert (await anext(a_events)).text == "Q0 "
+            await asyncio.sleep(DEAD_AFTER + 0.5)  # the quiet itself
+            b = await open_stream(stack, cb, CHAT, body, turn)
+            assert b.headers["x-streamfence-source"] == "followed"
+            upstream.seen[0].release(10)
+            b_rest = await asyncio.wait_for(_rest(events(b)), 10)
+            a_rest = await asyncio.wait_for(_rest(a_events), 10)
+        assert "".join(e.text for e in b_rest) == "Q0 Q1 Q2 " and not _errors(a_rest + b_rest)
+        assert len(upstream.seen) == 1
+
+
+@pytest.mark.parametrize(
+    ("policy", "stalled", "twin", "source"),
+    [
+        ("adaptive", True, "stream", "upstream"),  # a stalled one is replaced, and fenced
+        ("join", True, "stream", "followed"),  # join follows it all the same
+        ("adaptive", False, "whole", "beside"),  # the other streaming mode goes beside
+        ("adaptive", True, "whole", "upstream"),  # ... unless it stalled: then it replaces
+    ],
+)
+async def test_the_retry_rule_holds_across_processes(
+    make_proxy: ProxyFactory,
+    upstream: ScriptedUpstream,
+    redis_server: Server,
+    policy: str,
+    stalled: bool,
+    twin: str,
+    source: str,
+) -> None:
+    within = 0.3 if stalled else 3600.0
+    options = {"upstream.on_retry": policy, "upstream.healthy_within": within}
+    body = chat_body(gated=True, tokens=3, prefix="S")
+    turn = {"X-Turn-Id": f"remote-rule-{policy}-{twin}"}
+    async with two_proxies(make_proxy, upstream, redis_server, **options) as (pa, pb):
+        async with pa.client() as ca, pb.client() as cb, AsyncExitStack() as stack:
+            a = await open_stream(stack, ca, CHAT, body, turn)
+            a_events = events(a)
+            assert (await anext(a_events)).text == "S0 "
+            if stalled:
+                await asyncio.sleep(within + 0.3)  # the stall itself
+            if twin == "whole":
+                whole = await cb.post(CHAT, json={**body, "stream": False}, headers=turn)
+                assert whole.headers["x-streamfence-source"] == source
+                assert whole.json()["choices"][0]["message"]["content"] == "S0 S1 S2 "
+                upstream.seen[0].release(10)
+                a_rest = await asyncio.wait_for(_rest(a_events), 10)
+                if source == "beside":
+                    assert "".join(e.text for e in a_rest) == "S1 S2 " and not _errors(a_rest)
+                else:
+                    assert _errors(a_rest) == ["stream_superseded"]
+                assert len(upstream.seen) == 2
+                return
+            b = await open_stream(stack, cb, CHAT, body, turn)
+            assert b.headers["x-streamfence-source"] == source
+            for seen in upstream.seen:
+                seen.release(10)
+            b_rest = await asyncio.wait_for(_rest(events(b)), 10)
+            a_rest = await asyncio.wait_for(_rest(a_events), 10)
+        assert "".join(e.text for e in b_rest) == "S0 S1 S2 " and not _errors(b_rest)
+        if source == "upstream":
+            assert _errors(a_rest) == ["stream_superseded"] and len(upstream.seen) == 2
+        else:
+            assert not _errors(a_rest) and len(upstream.seen) == 1
+
+
+async def test_a_last_event_id_resumes_a_generation_of_another_process(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, redis_server: Server
+) -> None:
+    # A browser's EventSource reconnecting through another process: it gets the events after
+    # the last one it saw, not the whole stream again.
+    upstream.default = Script(stream=True, gated=True, tokens=4, prefix="E")
+    turn = {"X-Turn-Id": "remote-resume"}
+    async with two_proxies(make_proxy, upstream, redis_server) as (pa, pb):
+        async with pa.client() as ca, pb.client() as cb, AsyncExitStack() as stack:
+            a = await stack.enter_async_context(ca.stream("GET", "/v1/events", headers=turn))
+            lines = a.aiter_lines()
+            raw = ""
+            while "id: " not in raw:
+                raw += await anext(lines) + "\n"
+            (first,) = [line[4:] for line in raw.splitlines() if line.startswith("id: ")]
+            # Resumable from another process once published there (the writer's own pace).
+            await _published(redis_server, 1)
+            headers = {**turn, "Last-Event-ID": first}
+            b = await stack.enter_async_context(cb.stream("GET", "/v1/events", headers=headers))
+            assert b.headers["x-streamfence-source"] == "resumed"
+            upstream.seen[0].release(10)
+            rest = (await asyncio.wait_for(b.aread(), 10)).decode()
+        assert "E0 " not in rest and "E1 " in rest and "E3 " in rest
+        assert len(upstream.seen) == 1
 
 
 async def test_the_upstream_stays_open_while_another_process_reads_it(
