@@ -9,7 +9,8 @@ The operators are the classic ones, each a bug a developer could write:
   (`+` and `-`, ...), `min` for `max`;
 - a statement deleted (a call, an assignment, a `raise`, a `del`).
 Never mutated: docstrings, annotations (not evaluated: `from __future__ import annotations`),
-decorators, `assert` statements, `if TYPE_CHECKING:` blocks, `__slots__` and `__all__`.
+decorators, `assert` statements, `if TYPE_CHECKING:` blocks, Protocol classes, `__slots__`
+and `__all__`.
 
 `lua=True` mutates the Lua inside a module's strings instead (proxy/registry/scripts.py):
 its comparisons, `and`/`or`, `+`/`-` and integers, as text.
@@ -131,6 +132,8 @@ class _Walk(ast.NodeTransformer):
         return body[:start] + [s for stmt in body[start:] for s in _as_list(self.visit(stmt))]
 
     def _scoped(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> ast.AST:
+        if isinstance(node, ast.ClassDef) and _is_protocol(node):
+            return node  # a type for the checker: nothing in it runs
         self.scope.append(node.name)
         self.in_class.append(isinstance(node, ast.ClassDef))
         try:
@@ -301,6 +304,10 @@ def _is_docstring(stmt: ast.stmt) -> bool:
         and isinstance(stmt.value, ast.Constant)
         and isinstance(stmt.value.value, str)
     )
+
+
+def _is_protocol(node: ast.ClassDef) -> bool:
+    return any(getattr(base, "id", getattr(base, "attr", "")) == "Protocol" for base in node.bases)
 
 
 def _is_not(node: ast.expr) -> bool:
