@@ -17,7 +17,7 @@ import asyncio.tasks
 import contextvars
 import functools
 import types
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator, Iterable
 from typing import Any
 
 _background: set[asyncio.Task[None]] = set()
@@ -31,6 +31,25 @@ _enter_task: Callable[[asyncio.AbstractEventLoop, asyncio.Task[Any]], None] | No
 _leave_task: Callable[[asyncio.AbstractEventLoop, asyncio.Task[Any]], None] | None = getattr(
     asyncio.tasks, "_leave_task", None
 )
+
+
+async def cancelled(tasks: Iterable[asyncio.Task[Any]], within: float = 5.0) -> bool:
+    """Cancel `tasks` and wait until they have ended, asking again every tenth of a second:
+    on Python 3.11 a cancellation can be lost inside a library, and the task then goes on
+    waiting for ever. (`asyncio.wait_for` returns the inner result when it completes just as
+    the cancellation lands, gh-86296; redis-py sends every command under it, so a registry
+    closed while its subscriber connected hung the close.) False when one is still running
+    after `within` seconds: the caller goes on without it."""
+    pending = {task for task in tasks if not task.done()}
+    deadline = asyncio.get_running_loop().time() + within
+    while pending:
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            return False
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=min(0.1, left))
+    return True
 
 
 def eager_steps() -> bool:

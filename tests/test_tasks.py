@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import sys
 from typing import Any
 
 import pytest
@@ -227,3 +228,42 @@ async def test_a_cancellation_while_the_task_waits_is_the_coroutines_to_handle()
     task.cancel()
     assert await asyncio.wait_for(task, 5) == "kept going"
     assert ends == ["cancelled"]
+
+
+async def _swallowing_a_cancellation(inner: asyncio.Future[None]) -> None:
+    """What a redis-py command does on Python 3.11: a send under asyncio.wait_for, whose
+    result arrives in the same loop iteration as a cancellation (then wait_for returns the
+    result and the cancellation is lost, gh-86296), and then a long wait."""
+    await asyncio.wait_for(inner, 10)
+    await asyncio.Event().wait()
+
+
+async def test_cancelled_ends_a_task_that_lost_its_first_cancellation() -> None:
+    # A registry closed while its subscriber connected hung its close for ever (CI).
+    loop = asyncio.get_running_loop()
+    inner: asyncio.Future[None] = loop.create_future()
+    task = loop.create_task(_swallowing_a_cancellation(inner))
+    await asyncio.sleep(0)  # in wait_for
+    inner.set_result(None)
+    task.cancel()  # in the same iteration as the result
+    _, pending = await asyncio.wait([task], timeout=0.3)
+    if sys.version_info < (3, 12):  # 3.12's wait_for keeps the cancellation
+        assert pending == {task}, "the cancellation was not lost: the hazard is gone"
+    assert await tasks.cancelled([task], within=2)
+    assert task.cancelled()
+
+
+async def test_cancelled_gives_up_on_a_task_that_will_not_end() -> None:
+    stop = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await stop.wait()
+
+    task = asyncio.get_running_loop().create_task(stubborn())
+    await asyncio.sleep(0)
+    assert not await tasks.cancelled([task], within=0.3)  # bounded: the caller goes on
+    assert not task.done()
+    stop.set()
+    await task

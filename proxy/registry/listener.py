@@ -26,6 +26,7 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from proxy.errors import RegistryUnavailable
 from proxy.registry.redisio import COMMAND_TIMEOUT, Client, translate
+from proxy.tasks import cancelled
 
 log = logging.getLogger("streamfence")
 
@@ -138,9 +139,7 @@ class Subscriber:
             for task in done:
                 task.result()  # raises what ended it: every subscription starts over
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancelled(tasks)
 
     async def _receive(self, pubsub: PubSub) -> None:
         idle = 0.0

@@ -50,6 +50,7 @@ from proxy.registry.redisio import (
 )
 from proxy.registry.rounds import Batcher, send_round
 from proxy.registry.scripts import CLAIM, CLAIM_OR_FOLLOW, REFRESH, RELEASE
+from proxy.tasks import cancelled
 
 log = logging.getLogger("streamfence")
 
@@ -123,11 +124,11 @@ class RedisRegistry(Registry):
         ]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if not await cancelled(self._tasks):
+            log.warning("streamfence: the registry's subscriber did not stop; left behind")
+        for task in self._tasks:  # what ended one other than its cancellation: a bug
+            if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
+                raise exc
         self._tasks = []
         if self._background:
             _, late = await asyncio.wait(self._background, timeout=COMMAND_TIMEOUT)

@@ -16,6 +16,7 @@ from typing import Any
 
 from proxy.errors import RegistryUnavailable
 from proxy.registry.redisio import Call, Client, run_scripts, translate, unavailable
+from proxy.tasks import cancelled
 
 log = logging.getLogger("streamfence")
 
@@ -59,9 +60,7 @@ class Batcher:
         return future
 
     async def close(self) -> None:
-        for task in self._rounds:
-            task.cancel()
-        await asyncio.gather(*self._rounds, return_exceptions=True)
+        await cancelled(list(self._rounds))
 
     async def _run(self) -> None:
         while self._queue:

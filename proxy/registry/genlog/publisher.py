@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from proxy.registry.genlog.timing import SWEEP
 from proxy.registry.redisio import RETRY_AFTER, Call, Client
 from proxy.registry.rounds import send_round
+from proxy.tasks import cancelled
 
 
 class Outbox(Protocol):
@@ -55,9 +56,7 @@ class Publisher:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancelled([self._task])
             self._task = None
 
     async def _run(self) -> None:

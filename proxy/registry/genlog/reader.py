@@ -9,7 +9,6 @@ consumed) and checks the writer's stamp against Redis's clock (`timing`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
@@ -22,6 +21,7 @@ from proxy.registry.genlog.meta import End, Meta, Start
 from proxy.registry.genlog.store import Store
 from proxy.registry.genlog.timing import CHECK_EVERY, DEAD_AFTER, DETECT_WITHIN
 from proxy.registry.redisio import patiently
+from proxy.tasks import cancelled
 
 READ_COUNT = 512  # entries per XREAD
 
@@ -161,9 +161,7 @@ class LogReader:
             return
         self._closed = True
         if self._keepalive is not None:
-            self._keepalive.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._keepalive
+            await cancelled([self._keepalive])
         await self.store.unregister(self._keys, self.id)
 
     async def __aenter__(self) -> LogReader:
