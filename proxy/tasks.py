@@ -38,18 +38,24 @@ async def cancelled(tasks: Iterable[asyncio.Task[Any]], within: float = 5.0) -> 
     on Python 3.11 a cancellation can be lost inside a library, and the task then goes on
     waiting for ever. (`asyncio.wait_for` returns the inner result when it completes just as
     the cancellation lands, gh-86296; redis-py sends every command under it, so a registry
-    closed while its subscriber connected hung the close.) False when one is still running
-    after `within` seconds: the caller goes on without it."""
+    closed while its subscriber connected hung the close.) What ended them is left on each
+    task, read (as `gather(..., return_exceptions=True)` would, so that the loop does not
+    report it as never retrieved). False when one is still running after `within` seconds:
+    the caller goes on without it."""
+    tasks = list(tasks)
     pending = {task for task in tasks if not task.done()}
     deadline = asyncio.get_running_loop().time() + within
     while pending:
         left = deadline - asyncio.get_running_loop().time()
         if left <= 0:
-            return False
+            break
         for task in pending:
             task.cancel()
         _, pending = await asyncio.wait(pending, timeout=min(0.1, left))
-    return True
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.exception()
+    return not pending
 
 
 def eager_steps() -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import gc
 import sys
 from typing import Any
 
@@ -267,3 +268,25 @@ async def test_cancelled_gives_up_on_a_task_that_will_not_end() -> None:
     assert not task.done()
     stop.set()
     await task
+
+
+async def test_cancelled_reads_what_ended_each_task() -> None:
+    # Like gather(..., return_exceptions=True), which it replaced: a task that failed while
+    # the others were being cancelled is not reported by the loop as never retrieved.
+    reported: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    try:
+
+        async def fails() -> None:
+            raise ConnectionError("gone")
+
+        task = loop.create_task(fails())
+        await asyncio.sleep(0)
+        assert await tasks.cancelled([task])
+        assert task.done() and not task.cancelled()
+        del task  # (its exception is not read here: that would mark it retrieved)
+        gc.collect()
+        assert reported == []
+    finally:
+        loop.set_exception_handler(None)

@@ -154,3 +154,13 @@ async def test_health_in_lua_is_the_same_rule(single_redis: RedisServer) -> None
             got = await client.eval(script, 0, alive_at, now, within)  # type: ignore[misc]
             assert bool(got) is expected, (alive_at, now, within)
     assert CLAIM_OR_FOLLOW.startswith(health.LUA) and "healthy(tonumber(m[4])" in CLAIM_OR_FOLLOW
+
+
+@pytest.mark.parametrize("dialect", sorted(dialects.DIALECTS))
+def test_each_dialect_has_its_own_keepalives_and_an_unknown_one_those_of_plain_sse(
+    dialect: str,
+) -> None:
+    own = dialects.keepalives(dialect)
+    assert own.starts == dialects.keepalive_starts(dialect)
+    assert own.dropped == dialects.drops_keepalives(dialect)
+    assert dialects.keepalives("no-such-dialect") == dialects.keepalives(dialects.SSE)

@@ -542,3 +542,14 @@ def test_a_generation_token_of_twenty_digits_is_the_longest_read() -> None:
     twenty, longer = int("9" * 20), int("9" * 21)
     assert resumes_after(b"%d-3" % twenty, twenty) == 3
     assert resumes_after(b"%d-3" % longer, longer) is None
+
+
+@pytest.mark.parametrize("chunk", [b"\r\rdata: x\n\n", b"\r\r\n\n", b"\rdata: x\r\n\n"])
+def test_a_read_that_begins_with_a_cr_splits_as_it_would_byte_by_byte(chunk: bytes) -> None:
+    # The fast path (one whole event in one read) must not take a read with a CR anywhere,
+    # at its first byte included: there a CR ends a line, and "\r\r" is an event of its own.
+    whole = SSESplitter(1 << 20).feed(chunk)
+    splitter, bytewise = SSESplitter(1 << 20), []
+    for i in range(len(chunk)):
+        bytewise += splitter.feed(chunk[i : i + 1])
+    assert whole == bytewise
