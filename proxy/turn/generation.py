@@ -74,7 +74,7 @@ class Generation:
         self.closing = False  # its upstream is being closed for want of clients: not followable
         self.error: StreamfenceError | None = None
         self.buffer = EventBuffer(ask.buffer_bytes, budget)
-        self.meter = Meter(ask.dialect)  # what the answer reports it cost (proxy/turn/meter.py)
+        self.meter = Meter(ask.dialect, self.buffer)  # what the answer reports it cost
         self.done = False  # the reader has finished, for any reason
         self.completed = False  # ... and the upstream's whole answer is in the buffer
         self.retained = ask.retain_for > 0  # kept after its clients leave, for replays
@@ -174,7 +174,7 @@ class Generation:
 
     def _read_over(self) -> None:
         """The reader's end, for any reason: every waiting subscriber may now finish."""
-        self.meter.close(self.is_sse, self.buffer, self.raw_headers)  # first: clients report it
+        self.meter.close(self.is_sse, self.raw_headers)  # first: each client reports it
         self.done = True
         self.headers_ready.set()
         self.clients.wake()
@@ -202,8 +202,6 @@ class Generation:
         )
         if content:
             self.alive_at = time.monotonic()
-            if self.meter.opening:  # the first content event (Anthropic's input tokens)
-                self.meter.opened(events)
         if self._drops_keepalives and self.is_sse:
             events = dialects.without_keepalives(events, self._keepalives)
             if not events:
@@ -245,7 +243,7 @@ class Generation:
         self._trim()
 
     def _trim(self) -> None:
-        self.meter.dropping(self.buffer)  # it keeps the last events: the final usage is there
+        self.meter.dropping()  # it keeps what the dropped events say of the usage
         self.buffer.drop_through(self.clients.slowest(self.last_id))
         self._room.set()
 

@@ -197,31 +197,27 @@ def _known(usage: Usage) -> Usage | None:
 
 
 def _chat(data: dict[str, Any]) -> Usage | None:
-    usage = data.get("usage")
-    if not isinstance(usage, dict):
-        return None  # OpenAI sends "usage": null in every chunk but the last
-    return _known(
-        Usage(
-            input=_count(usage.get("prompt_tokens")),
-            output=_count(usage.get("completion_tokens")),
-            cached_input=_dig(usage, "prompt_tokens_details", "cached_tokens"),
-            reasoning=_dig(usage, "completion_tokens_details", "reasoning_tokens"),
-            model=_model(data),
-        )
-    )
+    # (OpenAI sends "usage": null in every chunk but the last: not a dict, unknown)
+    return _openai(data, "prompt_tokens", "completion_tokens")
 
 
 def _responses(response: dict[str, Any]) -> Usage | None:
-    usage = response.get("usage")
+    return _openai(response, "input_tokens", "output_tokens")
+
+
+def _openai(data: dict[str, Any], input_key: str, output_key: str) -> Usage | None:
+    """Chat completions and Responses name the same four counts two ways (`prompt_tokens`
+    and `prompt_tokens_details.cached_tokens`; `input_tokens` and `input_tokens_details...`)."""
+    usage = data.get("usage")
     if not isinstance(usage, dict):
         return None
     return _known(
         Usage(
-            input=_count(usage.get("input_tokens")),
-            output=_count(usage.get("output_tokens")),
-            cached_input=_dig(usage, "input_tokens_details", "cached_tokens"),
-            reasoning=_dig(usage, "output_tokens_details", "reasoning_tokens"),
-            model=_model(response),
+            input=_count(usage.get(input_key)),
+            output=_count(usage.get(output_key)),
+            cached_input=_dig(usage, f"{input_key}_details", "cached_tokens"),
+            reasoning=_dig(usage, f"{output_key}_details", "reasoning_tokens"),
+            model=_model(data),
         )
     )
 

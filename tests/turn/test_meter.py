@@ -35,24 +35,26 @@ def _buffer(cap: int = 1 << 20) -> EventBuffer:
 
 
 def test_a_stream_s_final_usage_is_read_from_its_last_events() -> None:
-    buffer, meter = _buffer(), Meter("openai-chat")
+    buffer = _buffer()
+    meter = Meter("openai-chat", buffer)
     buffer.add([_chunk(i) for i in range(50)])
     buffer.add([_usage_chunk() + b"\n\n", b"data: [DONE]\n\n"])
-    assert meter.close(True, buffer, []) == Usage(input=9, output=4, model="m-1")
+    assert meter.close(True, []) == Usage(input=9, output=4, model="m-1")
 
 
 def test_the_last_events_are_kept_when_the_buffer_drops_them() -> None:
     # Over its cap, the buffer drops what every client has written: the usage chunk and
     # [DONE] were written and dropped before the answer ended.
-    buffer, meter = _buffer(), Meter("openai-chat")
+    buffer = _buffer()
+    meter = Meter("openai-chat", buffer)
     buffer.add([_chunk(i) for i in range(10)] + [_usage_chunk() + b"\n\n"])
-    meter.dropping(buffer)
+    meter.dropping()
     buffer.drop_through(buffer.last_id)
     buffer.add([b"data: [DONE]\n\n"])
-    meter.dropping(buffer)
+    meter.dropping()
     buffer.drop_through(buffer.last_id)
     assert buffer.events == []
-    assert meter.close(True, buffer, []) == Usage(input=9, output=4, model="m-1")
+    assert meter.close(True, []) == Usage(input=9, output=4, model="m-1")
 
 
 def test_events_after_a_drop_are_not_counted_twice() -> None:
@@ -61,12 +63,13 @@ def test_events_after_a_drop_are_not_counted_twice() -> None:
         data = {"type": "message_delta", "usage": {"output_tokens": n}}
         return b"event: message_delta\ndata: " + json.dumps(data).encode() + b"\n\n"
 
-    buffer, meter = _buffer(), Meter("anthropic")
+    buffer = _buffer()
+    meter = Meter("anthropic", buffer)
     buffer.add([delta(1), delta(2)])
-    meter.dropping(buffer)
+    meter.dropping()
     buffer.drop_through(1)  # delta(2) is still in the buffer, and in the kept tail
     buffer.add([delta(3)])
-    assert meter.close(True, buffer, []) == Usage(output=3)
+    assert meter.close(True, []) == Usage(output=3)
 
 
 @pytest.mark.parametrize(
@@ -81,21 +84,39 @@ def test_events_after_a_drop_are_not_counted_twice() -> None:
 )
 def test_a_whole_body_is_read_in_its_content_encoding(coding: bytes, encode: object) -> None:
     body = encode(WHOLE)  # type: ignore[operator]
-    buffer, meter = _buffer(), Meter("openai-chat")
+    buffer = _buffer()
+    meter = Meter("openai-chat", buffer)
     buffer.add([body[:7], body[7:]])  # as it came, in chunks
     headers = [(b"Content-Encoding", coding)] if coding else []
-    assert meter.close(False, buffer, headers) == Usage(input=9, output=4, model="m-1")
+    assert meter.close(False, headers) == Usage(input=9, output=4, model="m-1")
 
 
 def test_a_body_the_buffer_dropped_or_too_large_or_a_bomb_is_unknown() -> None:
-    dropped, meter = _buffer(), Meter("openai-chat")
+    dropped = _buffer()
+    meter = Meter("openai-chat", dropped)
     dropped.add([WHOLE[:10], WHOLE[10:]])
     dropped.drop_through(1)
-    assert meter.close(False, dropped, []) is None
+    assert meter.close(False, []) is None
     huge = _buffer(1 << 30)
     huge.add([WHOLE + b" " * usage.MAX_BODY_BYTES])
-    assert Meter("openai-chat").close(False, huge, []) is None
+    assert Meter("openai-chat", huge).close(False, []) is None
     bomb = gzip.compress(b"{" + b" " * (usage.MAX_BODY_BYTES + 1))  # 4 KiB, inflating to 4 MiB
     assert decoded(bomb, b"gzip", usage.MAX_BODY_BYTES) is None
     assert decoded(b"not gzip", b"gzip", 100) is None
     assert decoded(WHOLE, b"compress", 1000) is None  # a coding nobody decodes here
+
+
+def test_anthropic_s_opening_report_is_kept_when_the_buffer_drops_it() -> None:
+    start = {"type": "message_start", "message": {"model": "c-1", "usage": {"input_tokens": 7}}}
+    delta = {"type": "message_delta", "usage": {"output_tokens": 3}}
+    buffer = _buffer()
+    meter = Meter("anthropic", buffer)
+    buffer.add([b"event: message_start\ndata: " + json.dumps(start).encode() + b"\n\n"])
+    buffer.add([b'event: content_block_delta\ndata: {"type":"content_block_delta"}\n\n'] * 5)
+    meter.dropping()  # nobody asked what it cost so far: the drop must read it
+    buffer.drop_through(buffer.last_id)
+    buffer.add([b"event: message_delta\ndata: " + json.dumps(delta).encode() + b"\n\n"])
+    assert meter.close(True, []) == Usage(input=7, output=3, model="c-1")
+    so_far = _buffer()
+    so_far.add([b"event: message_start\ndata: " + json.dumps(start).encode() + b"\n\n"])
+    assert Meter("anthropic", so_far).usage == Usage(input=7, model="c-1")  # the status page
