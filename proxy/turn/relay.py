@@ -132,7 +132,6 @@ class Subscriber:
             await self._run(send)
             if self.headers_sent and not self.ended:
                 if self.cut:
-                    self.done = True  # the disconnect the cut makes is not a client leaving
                     cut(scope, server_send)
                 else:
                     # Inside the race: a client that never takes this last write is dropped
