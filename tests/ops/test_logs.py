@@ -310,6 +310,20 @@ async def test_the_log_line_carries_the_callers_id_and_the_upstreams(
     ]
 
 
+async def test_a_request_outside_any_turn_is_logged_with_no_attempt(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory, log_lines: Lines
+) -> None:
+    # Attempt 0 is "none" (the status page shows "-"): a request that opted out of turns
+    # never claimed one; a keyed one is attempt 1 of its turn.
+    async with make_proxy(upstream.url) as proxy, proxy.client() as client:
+        keyed = await client.post(CHAT, json=chat_body("k"), headers={"X-Turn-Id": "t"})
+        opted_out = await client.post(CHAT, json=chat_body("o"), headers={"X-Turn-Id": "none"})
+    assert keyed.headers["x-streamfence-attempt"] == "1"
+    assert "x-streamfence-attempt" not in opted_out.headers
+    lines = log_lines.json("request")
+    assert [(r["turn"] != "", r["attempt"]) for r in lines] == [(True, 1), (False, 0)]
+
+
 async def test_requests_the_proxy_refuses_are_logged_with_no_upstream_source(
     upstream: ScriptedUpstream, make_proxy: ProxyFactory, log_lines: Lines
 ) -> None:

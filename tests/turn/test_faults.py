@@ -180,6 +180,19 @@ async def test_stream_broken_mid_way_ends_with_an_error_event(
     assert not any(e.data == "[DONE]" for e in got)
 
 
+async def test_stream_broken_before_its_first_event_ends_with_an_error_event(
+    proxy: Proxy, upstream: ScriptedUpstream
+) -> None:
+    # Its headers went out, no event after them: the error event is all the body has.
+    async with proxy.client() as client:
+        async with client.stream("POST", CHAT, json=chat_body(tokens=5, fail_after=0)) as r:
+            assert r.status_code == 200
+            got = await events_of_a_cut_body(r)
+        (record,) = await settled(proxy)
+    assert [e.json["error"]["code"] for e in got] == ["upstream_error"]
+    assert record.outcome == "upstream_error" and record.events == 0
+
+
 async def test_stream_stalled_past_the_idle_timeout_ends_with_an_error_event(
     upstream: ScriptedUpstream, make_proxy: ProxyFactory
 ) -> None:

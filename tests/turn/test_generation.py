@@ -7,12 +7,15 @@ stops reading after an overflow."""
 from __future__ import annotations
 
 import asyncio
+import json
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import httpx
 import pytest
 
+from proxy.errors import ShuttingDown
 from proxy.ops.record import Record, Source
 from proxy.registry import Lease, MemoryRegistry
 from proxy.registry.genlog.meta import End
@@ -61,23 +64,33 @@ class Feed(httpx.AsyncByteStream):
 
 
 class Transport(httpx.AsyncBaseTransport):
-    def __init__(self, feed: Feed) -> None:
+    def __init__(self, feed: Feed, content_type: str = "text/event-stream") -> None:
         self.feed = feed
+        self.content_type = content_type
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=self.feed)
+        headers = {"content-type": self.content_type}
+        return httpx.Response(200, headers=headers, stream=self.feed)
 
 
 class Client:
     """An ASGI client: records what it is sent; `block_after` writes, it stops reading
-    (`stuck` is set); it leaves (disconnects) when told to."""
+    (`stuck` is set) until it reads again, if ever; it leaves (disconnects) when told to.
+
+    A blocked write is recorded only once it returns, as under uvicorn, whose `send` waits
+    for the transport to drain before it writes: a write cancelled while blocked was never
+    made."""
 
     def __init__(self, block_after: int | None = None) -> None:
         self.bodies: list[bytes] = []
         self.wrote = asyncio.Event()
         self.block_after = block_after
         self.stuck = asyncio.Event()  # a write is blocked
+        self.reading = asyncio.Event()  # it reads again: blocked writes go through
         self.gone = asyncio.Event()
+
+    def read_again(self) -> None:
+        self.reading.set()
 
     def leave(self) -> None:
         self.gone.set()
@@ -91,7 +104,7 @@ class Client:
             return
         if self.block_after is not None and len(self.bodies) >= self.block_after:
             self.stuck.set()
-            await asyncio.Event().wait()
+            await self.reading.wait()
         self.bodies.append(message.get("body", b""))
         self.wrote.set()
 
@@ -302,6 +315,170 @@ async def test_a_fenced_client_that_leaves_while_its_frame_is_written_was_supers
     assert finished[0].outcome == "superseded"
 
 
+async def test_a_write_blocked_when_the_fence_lands_is_never_made() -> None:
+    # A client that is not reading holds its write of events taken before the fence: the
+    # fence interrupts that write (under uvicorn, a blocked send has not written yet), so
+    # that nothing but the frame reaches the client after the newer attempt was accepted,
+    # even when it reads again.
+    feed = Feed()
+    gen = _generation(feed)
+    first = Client()
+    _, task_a, _ = _subscribe(gen, first)
+    for n, event in enumerate((b"data: one\n\n", b"data: two\n\n")):
+        feed.queue.put_nowait(event)
+        await first.wait_bodies(n + 1)
+    late = Client(block_after=0)  # it writes both from the buffer itself, and is not read
+    _, task_b, finished = _subscribe(gen, late)
+    await asyncio.wait_for(late.stuck.wait(), 5)
+    _supersede(gen)()
+    await asyncio.wait_for(feed.closed.wait(), 5)
+    late.read_again()
+    await asyncio.wait_for(asyncio.gather(task_a, task_b), 5)
+    written = b"".join(late.bodies)
+    assert b"data: one" not in written and b"data: two" not in written
+    assert b"stream_superseded" in written
+    assert finished[0].outcome == "superseded"
+
+
+async def test_a_shutdown_does_not_break_off_the_frame_of_a_fenced_client() -> None:
+    # The fence's frame is being written (its client not reading yet) when the shutdown ends
+    # every request: past the serving of events, nothing interrupts the frame; the client
+    # gets it, and a clean end, once it reads.
+    feed = Feed()
+    gen = _generation(feed)
+    client = _Ending(block_after=1)
+    sub, task, finished = _subscribe(gen, client)
+    feed.queue.put_nowait(b"data: one\n\n")
+    await client.wait_bodies(1)
+    feed.queue.put_nowait(_supersede(gen))
+    await asyncio.wait_for(client.stuck.wait(), 5)
+    sub.abort(ShuttingDown("streamfence: shutting down"))
+    client.read_again()
+    await asyncio.wait({task}, timeout=5)
+    assert task.done() and not task.cancelled()
+    assert b"stream_superseded" in client.bodies[1] and client.ends[-1]
+    assert finished[0].outcome == "superseded"
+
+
+async def test_a_stream_ended_by_the_shutdown_ends_cleanly_after_its_error_event() -> None:
+    # The proxy's own ending is not a cut (CONTRACT section 5): the dialect's error event,
+    # then the end of the body, as for the fence's frame.
+    feed = Feed()
+    gen = _generation(feed)
+    client = _Ending()
+    sub, task, finished = _subscribe(gen, client)
+    feed.queue.put_nowait(b"data: one\n\n")
+    await client.wait_bodies(1)
+    sub.abort(ShuttingDown("streamfence: shutting down"))
+    await asyncio.wait_for(task, 5)
+    assert b"shutting_down" in client.bodies[1]
+    assert client.ends == [False, False, True]
+    assert finished[0].outcome == "shutdown"
+    await asyncio.wait_for(feed.closed.wait(), 5)
+
+
+async def test_a_shutdown_leaves_a_json_body_under_way_to_finish() -> None:
+    # Not an event stream: it has no place for an error event, and its headers are out: the
+    # body goes on whole (CONTRACT section 2), never cut short with a clean end.
+    feed = Feed()
+    gen = _generation(over=Transport(feed, "application/json"))
+    client = _Ending()
+    sub, task, finished = _subscribe(gen, client)
+    feed.queue.put_nowait(b'{"id": "x", ')
+    await client.wait_bodies(1)
+    sub.abort(ShuttingDown("streamfence: shutting down"))
+    feed.queue.put_nowait(b'"choices": []}')
+    feed.queue.put_nowait(b"")
+    await asyncio.wait_for(task, 5)
+    assert json.loads(b"".join(client.bodies)) == {"id": "x", "choices": []}
+    assert client.ends[-1] and finished[0].outcome == "completed"
+
+
+async def test_a_client_ended_by_the_shutdown_gets_nothing_after_its_error_event() -> None:
+    # Its error event's write is blocked when the upstream sends on: the reader, which
+    # writes for a caught-up client that waits in the generation, must not take this one
+    # for it (two writers at once, and events after the error event).
+    feed = Feed()
+    gen = _generation(feed)
+    client = Client(block_after=1)
+    sub, task, finished = _subscribe(gen, client)
+    feed.queue.put_nowait(b"data: one\n\n")
+    await client.wait_bodies(1)
+    sub.abort(ShuttingDown("streamfence: shutting down"))
+    await asyncio.wait_for(client.stuck.wait(), 5)  # its error event's write
+    taken = asyncio.Event()
+    feed.queue.put_nowait(b"data: two\n\n")
+    feed.queue.put_nowait(taken.set)  # run by the reader once "two" is taken
+    await asyncio.wait_for(taken.wait(), 5)
+    client.read_again()
+    await asyncio.wait_for(task, 5)
+    assert client.bodies[0] == b"data: one\n\n" and b"shutting_down" in client.bodies[1]
+    assert b"data: two" not in b"".join(client.bodies)
+    assert finished[0].outcome == "shutdown"
+
+
+async def test_a_server_cancelling_as_the_fenced_client_leaves_is_not_absorbed() -> None:
+    # The fence's cancellation was absorbed; then, while the frame's write is blocked, the
+    # client leaves and the server cancels the response at once: the relay absorbs its own
+    # second cancellation only, and the server's ends the response.
+    feed = Feed()
+    gen = _generation(feed)
+    client = Client(block_after=1)
+    task: asyncio.Task[None] | None = None
+
+    async def receive() -> dict[str, Any]:
+        await client.gone.wait()
+        assert task is not None
+        task.cancel()  # the server, in the step the client's leaving is seen
+        return {"type": "http.disconnect"}
+
+    finished: list[Record] = []
+    exchange = Exchange("openai-chat", "turn", Source.UPSTREAM, True, 0, [], 0.0)
+    sub = Subscriber(
+        gen, exchange, Record("POST", "/v1/chat/completions"), lambda r, e: finished.append(r)
+    )
+    task = asyncio.create_task(sub({}, receive, client.send))
+    feed.queue.put_nowait(b"data: one\n\n")
+    await client.wait_bodies(1)
+    feed.queue.put_nowait(_supersede(gen))
+    await asyncio.wait_for(client.stuck.wait(), 5)  # the fence absorbed, its frame blocked
+    client.leave()
+    await asyncio.wait({task}, timeout=5)
+    assert task.cancelled()
+    assert finished[0].outcome == "superseded"
+
+
+async def test_a_fence_before_a_clients_response_began_gets_it_the_409() -> None:
+    feed = Feed()
+    gen, first, task_a, _ = await _one_event_written(feed)
+    client = Client()
+    _, task_b, finished = _subscribe(gen, client)  # attached; its response not begun yet
+    _supersede(gen)()
+    await asyncio.wait_for(asyncio.gather(task_a, task_b), 5)
+    (body,) = client.bodies  # headers not sent: a whole error response
+    assert json.loads(body)["error"]["code"] == "stream_superseded"
+    assert (finished[0].outcome, finished[0].status) == ("superseded", 409)
+
+
+async def test_a_finished_response_leaves_nothing_that_holds_its_subscriber() -> None:
+    # Its disconnect watch (the server may never answer `receive`) and its write timeout's
+    # timer end with it: neither keeps the subscriber, its generation and its buffer alive.
+    before = asyncio.all_tasks()
+    feed = Feed()
+    gen = _generation(feed)
+    client = Client()
+    sub, task, finished = _subscribe(gen, client, write_timeout=30.0)
+    for item in (b"data: one\n\n", b"data: [DONE]\n\n", b""):
+        feed.queue.put_nowait(item)
+    await asyncio.wait_for(task, 5)
+    await asyncio.wait_for(gen.finished.wait(), 5)
+    assert finished[0].outcome == "completed"
+    assert asyncio.all_tasks() <= before
+    held = weakref.ref(sub)
+    del sub, task
+    assert held() is None
+
+
 async def test_a_slow_stream_with_a_reading_client_is_not_dropped_by_the_write_timeout() -> None:
     feed = Feed()
     gen = _generation(feed)
@@ -396,8 +573,8 @@ async def test_the_last_client_leaving_closes_the_upstream_and_releases_the_leas
 class _Ending(Client):
     """A client that records whether each body message ended the response."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, block_after: int | None = None) -> None:
+        super().__init__(block_after)
         self.ends: list[bool] = []
 
     async def send(self, message: dict[str, Any]) -> None:
