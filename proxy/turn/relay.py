@@ -202,6 +202,8 @@ class Subscriber:
             if self._inline:  # one writer at a time, even when aborted
                 self._inline_over = asyncio.get_running_loop().create_future()
                 await self._inline_over
+                if self.delivered:  # that write delivered the answer (and maybe its end)
+                    return
             await self._end_with_error(send, self.error)
             # Broken off upstream: after its error event the body ends as it would have
             # directly, unterminated (an answer already delivered ends cleanly, above).

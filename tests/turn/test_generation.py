@@ -654,6 +654,46 @@ async def test_the_reader_ends_its_clients_response_with_the_last_read(
     assert finished[0].outcome == "completed"
 
 
+async def test_a_shutdown_while_the_reader_writes_the_last_events_leaves_the_answer_whole() -> None:
+    # The reader writes the stream's last events for its caught-up client, the end of the
+    # response with them, and the client does not read yet: the shutdown that lands then
+    # waits for that write (one writer at a time), which delivers the whole answer; no
+    # error event may follow the end of the response (uvicorn refuses a write after it).
+    last_part = asyncio.Event()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(len(b'{"stream":true}'))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n" + _chunked(b"data: one\n\n")
+        )
+        await last_part.wait()
+        writer.write(_chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    transport = FastTransport()
+    try:
+        gen = _generation(over=transport, url=f"http://127.0.0.1:{port}")
+        client = _Ending(block_after=1)
+        sub, task, finished = _subscribe(gen, client)
+        await client.wait_bodies(1)
+        last_part.set()
+        await asyncio.wait_for(client.stuck.wait(), 5)  # the reader's write, ending it
+        sub.abort(ShuttingDown("streamfence: shutting down"))
+        client.read_again()
+        await asyncio.wait_for(task, 5)
+    finally:
+        server.close()
+        await transport.aclose()
+    assert client.bodies == [b"data: one\n\n", b"data: [DONE]\n\n"]
+    assert client.ends == [False, True]
+    assert finished[0].outcome == "completed"
+
+
 def _chunked(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
