@@ -362,17 +362,19 @@ async def test_a_shutdown_does_not_break_off_the_frame_of_a_fenced_client() -> N
 
 async def test_a_stream_ended_by_the_shutdown_ends_cleanly_after_its_error_event() -> None:
     # The proxy's own ending is not a cut (CONTRACT section 5): the dialect's error event,
-    # then the end of the body, as for the fence's frame.
+    # then the end of the body, as for the fence's frame. ("two" is written by the reader,
+    # for its client caught up and waiting: that write is over, nothing to wait for.)
     feed = Feed()
     gen = _generation(feed)
     client = _Ending()
     sub, task, finished = _subscribe(gen, client)
-    feed.queue.put_nowait(b"data: one\n\n")
-    await client.wait_bodies(1)
+    for n, event in enumerate((b"data: one\n\n", b"data: two\n\n")):
+        feed.queue.put_nowait(event)
+        await client.wait_bodies(n + 1)
     sub.abort(ShuttingDown("streamfence: shutting down"))
     await asyncio.wait_for(task, 5)
-    assert b"shutting_down" in client.bodies[1]
-    assert client.ends == [False, False, True]
+    assert b"shutting_down" in client.bodies[2]
+    assert client.ends == [False, False, False, True]
     assert finished[0].outcome == "shutdown"
     await asyncio.wait_for(feed.closed.wait(), 5)
 
