@@ -212,6 +212,7 @@ async def test_the_reader_writing_for_its_one_client_checks_the_fence_too() -> N
     written = b"".join(client.bodies)
     assert b"data: two" not in written and b"stream_superseded" in written
     assert finished[0].outcome == "superseded"
+    assert finished[0].dropped == 1  # streamfence_events_dropped_total: kept back by the fence
 
 
 async def test_a_fence_closes_the_old_upstream_connection_in_the_claims_own_step(
