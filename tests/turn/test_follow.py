@@ -17,6 +17,7 @@ from tests.conftest import ProxyFactory
 from tests.probes import metric
 from tests.scripted import Script, ScriptedUpstream
 from tests.sse_client import Event, chat_body, events, open_stream
+from tests.stress import harness
 
 CHAT = "/v1/chat/completions"
 TURN = {"X-Turn-Id": "follow-turn"}
@@ -161,6 +162,7 @@ async def test_a_different_body_under_one_turn_id_fences_the_generation_and_its_
 ) -> None:
     body = chat_body(gated=True, tokens=4, prefix="A")
     async with make_proxy(upstream.url, **HEALTHY) as proxy, proxy.client() as client:
+        harness.watch(proxy.runtime)
         async with AsyncExitStack() as stack:
             first = await open_stream(stack, client, CHAT, body, TURN)
             first_events = events(first)
@@ -173,10 +175,18 @@ async def test_a_different_body_under_one_turn_id_fences_the_generation_and_its_
             first_rest = [e async for e in first_events]
             follower_rest = [e async for e in follower_events]
             newer_text, _ = await _text(newer)
+        records = await harness.settled(proxy.runtime, 3)
     assert _codes(first_rest) == ["stream_superseded"] and len(first_rest) == 1
     assert _codes(follower_rest) == ["stream_superseded"] and len(follower_rest) == 1
     assert newer_text == "B0 B1 " and len(upstream.seen) == 2
     assert upstream.seen[0].closed.is_set()
+    # One upstream request was fenced: one fence latency (the log's, the metric's), that of
+    # the request that went upstream; its follower's record has none.
+    assert [r.source for r in records if r.fence_latency is not None] == ["upstream"]
+    assert sorted(r.source for r in records if r.outcome == "superseded") == [
+        "followed",
+        "upstream",
+    ]
 
 
 async def test_a_non_streaming_twin_goes_beside_a_healthy_stream(

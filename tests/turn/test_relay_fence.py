@@ -228,6 +228,8 @@ async def test_a_fence_before_headers_closes_the_upstream_before_the_409_goes_ou
     (fenced,) = [r for r in records if r.outcome == "superseded"]
     assert fenced.status == 409
     assert fenced.fence_latency is not None and 0.0 <= fenced.fence_latency < 1.0
+    # Its time to first byte (the log's ttfb_ms, the status page's) is when the 409 went out.
+    assert fenced.ttfb is not None and 0.0 < fenced.ttfb <= fenced.duration
     assert watch.records == records
 
 
