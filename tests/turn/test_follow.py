@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import ProxyFactory
 from tests.probes import metric
 from tests.scripted import Script, ScriptedUpstream
-from tests.sse_client import Event, chat_body, events, open_stream
+from tests.sse_client import Event, chat_body, events, events_of_a_cut_body, open_stream
 from tests.stress import harness
 
 CHAT = "/v1/chat/completions"
@@ -247,6 +247,35 @@ async def test_a_follower_leaving_keeps_the_generation_and_the_last_one_closes_i
         assert upstream.seen[0].events_sent == 2
         assert len(proxy.runtime.generations or ()) == 0
         assert proxy.runtime.registry.live_keys() == 0
+
+
+async def test_an_upstream_failure_is_counted_once_however_many_clients_it_reached(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream
+) -> None:
+    # Both clients get the error event; the failure is its generation's, one upstream
+    # request's: the first client reports it, its follower does not again.
+    body = chat_body(gated=True, tokens=5, fail_after=2, prefix="F")
+    async with make_proxy(upstream.url, **HEALTHY) as proxy, proxy.client() as client:
+        harness.watch(proxy.runtime)
+        async with AsyncExitStack() as stack:
+            first = await open_stream(stack, client, CHAT, body, TURN)
+            first_events = events(first)
+            await anext(first_events)
+            follower = await open_stream(stack, client, CHAT, body, TURN)
+            assert follower.headers["x-streamfence-source"] == "followed"
+            upstream.seen[0].release(10)
+            first_rest: list[Event] = []
+            with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
+                async for event in first_events:  # cut, after the error event
+                    first_rest.append(event)
+            assert _codes(first_rest) == ["upstream_error"]
+            assert _codes(await events_of_a_cut_body(follower)) == ["upstream_error"]
+        records = await harness.settled(proxy.runtime, 2)
+        errors = proxy.runtime.metrics.registry.get_sample_value(
+            "streamfence_upstream_errors_total", {"upstream": "default", "kind": "protocol"}
+        )
+    assert sorted(r.outcome for r in records) == ["upstream_error", "upstream_error"]
+    assert errors == 1
 
 
 SSE_PATH = "/v1/events"  # no LLM dialect: the proxy stamps its own event ids
