@@ -317,30 +317,42 @@ def report_module(path: str, found: list[Mutant], results: dict[str, Any]) -> No
             print(f"    survived  line {mutant.line}: {mutant.key}")
 
 
+def scores(c: dict[str, int]) -> tuple[int, float, float]:
+    """Reachable mutants, and two scores: the share of them killed (accepted survivors count
+    against it), and the share of those not accepted as equivalent or speed-only (the usual
+    mutation score, which leaves equivalent mutants out)."""
+    killed = c[KILLED] + c[TIMEOUT]
+    reach = killed + c[SURVIVED] + c["accepted"]
+    testable = reach - c["accepted"]
+    return reach, killed / reach if reach else 0.0, killed / testable if testable else 0.0
+
+
 def summary(c: dict[str, int]) -> str:
-    covered = c[KILLED] + c[TIMEOUT] + c[SURVIVED] + c["accepted"]
-    score = (c[KILLED] + c[TIMEOUT]) / covered if covered else 0.0
+    reach, strict, usual = scores(c)
     return (
-        f"{covered + c[UNCOVERED]} mutants, {c[UNCOVERED]} on lines its tests never run; "
-        f"of the {covered} reachable: {c[KILLED]} killed, {c[TIMEOUT]} by a timeout, "
+        f"{reach + c[UNCOVERED]} mutants, {c[UNCOVERED]} on lines its tests never run; "
+        f"of the {reach} reachable: {c[KILLED]} killed, {c[TIMEOUT]} by a timeout, "
         f"{c['accepted']} survivors accepted, {c[SURVIVED]} others survived "
-        f"({c['pending']} not run yet): {100 * score:.1f} % killed"
+        f"({c['pending']} not run yet): {100 * strict:.1f} % killed, "
+        f"{100 * usual:.1f} % of those not accepted"
     )
 
 
 def report(table: dict[str, Any]) -> None:
-    print("| module | mutants | never run | reachable | killed | accepted | survived | score |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| module | mutants | never run | reachable | killed | accepted | survived "
+        "| killed of reachable | killed of not accepted |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for path, spec in table["modules"].items():
         cache_file = CACHE / (path.replace("/", "_") + ".json")
         results = json.loads(cache_file.read_text())["results"] if cache_file.exists() else {}
         found = mutants(ROOT / path, lua=bool(spec.get("lua")))
         c = counts(found, results, accepted_keys(path))
-        reach = c[KILLED] + c[TIMEOUT] + c[SURVIVED] + c["accepted"]
-        score = (c[KILLED] + c[TIMEOUT]) / reach if reach else 0.0
+        reach, strict, usual = scores(c)
         print(
             f"| `{path}` | {len(found)} | {c[UNCOVERED]} | {reach} | {c[KILLED] + c[TIMEOUT]} "
-            f"| {c['accepted']} | {c[SURVIVED]} | {100 * score:.1f} % |"
+            f"| {c['accepted']} | {c[SURVIVED]} | {100 * strict:.1f} % | {100 * usual:.1f} % |"
         )
 
 
