@@ -151,7 +151,8 @@ def warm_up(files: Sequence[str]) -> None:
     """Import, once, in the parent, every module that the tests of `files` import, except
     the proxy's and the tests' own (each child imports those, the mutated one among them):
     a child then starts in a fraction of a second instead of two."""
-    names = ["tests.conftest", *(f.removesuffix(".py").replace("/", ".") for f in files)]
+    paths = {f.partition("::")[0] for f in files}  # a test's id names its file first
+    names = ["tests.conftest", *(p.removesuffix(".py").replace("/", ".") for p in sorted(paths))]
     listing = subprocess.run(
         [sys.executable, "-c", _LIST_IMPORTS, *names],
         cwd=ROOT,
