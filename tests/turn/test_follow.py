@@ -468,6 +468,9 @@ async def test_a_retry_of_a_replaced_version_never_replaces_its_successor(
     assert stale.status_code == 409 and stale.headers["x-should-retry"] == "false"
     assert stale.json()["error"]["code"] == "stream_superseded"
     assert "repeats an earlier version" in stale.json()["error"]["message"]
+    assert "superseded by attempt 2 " in stale.json()["error"]["message"]
     assert "".join(e.text for e in rest) == "E1 E2 " and not _codes(rest)
+    # The attempt that replaced it is remembered with the version: named after its end too.
     assert later.status_code == 409
+    assert "superseded by attempt 2 " in later.json()["error"]["message"]
     assert len(upstream.seen) == 2
