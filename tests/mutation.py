@@ -7,6 +7,7 @@ the scores are in docs/testing.md).
     scripts/mutate --show proxy/wire/sse.py:12  run mutant 12 with pytest's output (with the
                                            module's tests, or the test files named after)
     scripts/mutate --report                the scores, from the cache (markdown)
+    scripts/mutate --timeouts MODULE ...   run again what a timeout killed (on a quiet machine)
 
 A mutant is one small change to a module's syntax tree (tests/mutants.py). It is run by the
 tests of its module's files (the table) that execute its lines: a coverage pass per module
@@ -260,7 +261,8 @@ def run_module(path: str, spec: dict[str, Any], args: argparse.Namespace) -> Non
     started = time.monotonic()
     for n, mutant in enumerate(found):
         done = results.get(mutant.key)
-        if done and (done["status"] != SURVIVED or done.get("tests") == test_digest):
+        again = args.timeouts and done is not None and done["status"] == TIMEOUT
+        if done and not again and (done["status"] != SURVIVED or done.get("tests") == test_digest):
             continue  # a kill stays a kill; a survivor is tried again on changed tests
         chosen = select(mutant, by_line, times)
         if not chosen:
@@ -379,6 +381,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--show", metavar="MODULE:N", help="run one mutant, with its output")
     parser.add_argument("--report", action="store_true", help="scores from the cache")
     parser.add_argument("--fresh", action="store_true", help="ignore cached results")
+    parser.add_argument(
+        "--timeouts",
+        action="store_true",
+        help="run again the mutants killed by a timeout (one that came of a loaded machine)",
+    )
     parser.add_argument("--factor", type=float, default=3.0, help="time limit per mutant")
     args = parser.parse_args(argv)
     os.chdir(ROOT)
