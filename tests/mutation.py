@@ -7,6 +7,7 @@ the scores are in docs/testing.md).
     scripts/mutate --show proxy/wire/sse.py:12  run mutant 12 with pytest's output (with the
                                            module's tests, or the test files named after)
     scripts/mutate --report                the scores, from the cache (markdown)
+    scripts/mutate --timeouts MODULE ...   run again what a timeout killed (on a quiet machine)
 
 A mutant is one small change to a module's syntax tree (tests/mutants.py). It is run by the
 tests of its module's files (the table) that execute its lines: a coverage pass per module
@@ -151,7 +152,8 @@ def warm_up(files: Sequence[str]) -> None:
     """Import, once, in the parent, every module that the tests of `files` import, except
     the proxy's and the tests' own (each child imports those, the mutated one among them):
     a child then starts in a fraction of a second instead of two."""
-    names = ["tests.conftest", *(f.removesuffix(".py").replace("/", ".") for f in files)]
+    paths = {f.partition("::")[0] for f in files}  # a test's id names its file first
+    names = ["tests.conftest", *(p.removesuffix(".py").replace("/", ".") for p in sorted(paths))]
     listing = subprocess.run(
         [sys.executable, "-c", _LIST_IMPORTS, *names],
         cwd=ROOT,
@@ -259,7 +261,8 @@ def run_module(path: str, spec: dict[str, Any], args: argparse.Namespace) -> Non
     started = time.monotonic()
     for n, mutant in enumerate(found):
         done = results.get(mutant.key)
-        if done and (done["status"] != SURVIVED or done.get("tests") == test_digest):
+        again = args.timeouts and done is not None and done["status"] == TIMEOUT
+        if done and not again and (done["status"] != SURVIVED or done.get("tests") == test_digest):
             continue  # a kill stays a kill; a survivor is tried again on changed tests
         chosen = select(mutant, by_line, times)
         if not chosen:
@@ -317,30 +320,42 @@ def report_module(path: str, found: list[Mutant], results: dict[str, Any]) -> No
             print(f"    survived  line {mutant.line}: {mutant.key}")
 
 
+def scores(c: dict[str, int]) -> tuple[int, float, float]:
+    """Reachable mutants, and two scores: the share of them killed (accepted survivors count
+    against it), and the share of those not accepted as equivalent or speed-only (the usual
+    mutation score, which leaves equivalent mutants out)."""
+    killed = c[KILLED] + c[TIMEOUT]
+    reach = killed + c[SURVIVED] + c["accepted"]
+    testable = reach - c["accepted"]
+    return reach, killed / reach if reach else 0.0, killed / testable if testable else 0.0
+
+
 def summary(c: dict[str, int]) -> str:
-    covered = c[KILLED] + c[TIMEOUT] + c[SURVIVED] + c["accepted"]
-    score = (c[KILLED] + c[TIMEOUT]) / covered if covered else 0.0
+    reach, strict, usual = scores(c)
     return (
-        f"{covered + c[UNCOVERED]} mutants, {c[UNCOVERED]} on lines its tests never run; "
-        f"of the {covered} reachable: {c[KILLED]} killed, {c[TIMEOUT]} by a timeout, "
+        f"{reach + c[UNCOVERED]} mutants, {c[UNCOVERED]} on lines its tests never run; "
+        f"of the {reach} reachable: {c[KILLED]} killed, {c[TIMEOUT]} by a timeout, "
         f"{c['accepted']} survivors accepted, {c[SURVIVED]} others survived "
-        f"({c['pending']} not run yet): {100 * score:.1f} % killed"
+        f"({c['pending']} not run yet): {100 * strict:.1f} % killed, "
+        f"{100 * usual:.1f} % of those not accepted"
     )
 
 
 def report(table: dict[str, Any]) -> None:
-    print("| module | mutants | never run | reachable | killed | accepted | survived | score |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| module | mutants | never run | reachable | killed | accepted | survived "
+        "| killed of reachable | killed of not accepted |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for path, spec in table["modules"].items():
         cache_file = CACHE / (path.replace("/", "_") + ".json")
         results = json.loads(cache_file.read_text())["results"] if cache_file.exists() else {}
         found = mutants(ROOT / path, lua=bool(spec.get("lua")))
         c = counts(found, results, accepted_keys(path))
-        reach = c[KILLED] + c[TIMEOUT] + c[SURVIVED] + c["accepted"]
-        score = (c[KILLED] + c[TIMEOUT]) / reach if reach else 0.0
+        reach, strict, usual = scores(c)
         print(
             f"| `{path}` | {len(found)} | {c[UNCOVERED]} | {reach} | {c[KILLED] + c[TIMEOUT]} "
-            f"| {c['accepted']} | {c[SURVIVED]} | {100 * score:.1f} % |"
+            f"| {c['accepted']} | {c[SURVIVED]} | {100 * strict:.1f} % | {100 * usual:.1f} % |"
         )
 
 
@@ -366,6 +381,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--show", metavar="MODULE:N", help="run one mutant, with its output")
     parser.add_argument("--report", action="store_true", help="scores from the cache")
     parser.add_argument("--fresh", action="store_true", help="ignore cached results")
+    parser.add_argument(
+        "--timeouts",
+        action="store_true",
+        help="run again the mutants killed by a timeout (one that came of a loaded machine)",
+    )
     parser.add_argument("--factor", type=float, default=3.0, help="time limit per mutant")
     args = parser.parse_args(argv)
     os.chdir(ROOT)

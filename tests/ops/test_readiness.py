@@ -90,3 +90,15 @@ async def test_with_redis_answering_it_is_ready_and_startup_is_quiet(
         ready = await client.get("/_streamfence/readyz")
     assert (ready.status_code, ready.json()) == (200, {"status": "ready"})
     assert _warnings(caplog) == []
+
+
+async def test_with_the_in_process_registry_it_is_ready_and_startup_is_quiet(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The default backend has nothing to reach: no warning, and ready from the start.
+    caplog.set_level(logging.INFO, logger=STARTUP)
+    async with make_proxy(upstream.url) as proxy, proxy.client() as client:
+        ready = await client.get("/_streamfence/readyz")
+    assert proxy.runtime.config.registry.backend == "memory"
+    assert (ready.status_code, ready.json()) == (200, {"status": "ready"})
+    assert _warnings(caplog) == []

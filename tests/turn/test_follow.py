@@ -373,6 +373,21 @@ async def test_the_proxys_event_id_wins_over_the_upstreams(
     assert last_ids == [f"{token}-1", f"{token}-2"]
 
 
+async def test_a_request_without_a_turn_keeps_the_upstreams_ids_and_its_last_event_id(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream
+) -> None:
+    # No turn id and no body to fingerprint: the request takes no part in fencing, so the
+    # ids and the resume point are the upstream's business, as without the proxy.
+    upstream.default = Script(stream=True, raw=["id: 99\ndata: one\n\n"])
+    async with make_proxy(upstream.url) as proxy, proxy.client() as client:
+        got = await client.get(SSE_PATH, headers={"Last-Event-ID": "98"})
+        await proxy.runtime.wait_idle()
+        started = metric(proxy.runtime, "streamfence_generations_total", upstream="default")
+    assert _ids(got.text) == ["99"]
+    assert upstream.seen[0].headers["last-event-id"] == "98"
+    assert started == 1
+
+
 async def test_replay_after_completion_needs_an_explicit_turn_id(
     make_proxy: ProxyFactory, upstream: ScriptedUpstream
 ) -> None:
@@ -492,6 +507,9 @@ async def test_a_retry_of_a_replaced_version_never_replaces_its_successor(
     assert stale.status_code == 409 and stale.headers["x-should-retry"] == "false"
     assert stale.json()["error"]["code"] == "stream_superseded"
     assert "repeats an earlier version" in stale.json()["error"]["message"]
+    assert "superseded by attempt 2 " in stale.json()["error"]["message"]
     assert "".join(e.text for e in rest) == "E1 E2 " and not _codes(rest)
+    # The attempt that replaced it is remembered with the version: named after its end too.
     assert later.status_code == 409
+    assert "superseded by attempt 2 " in later.json()["error"]["message"]
     assert len(upstream.seen) == 2

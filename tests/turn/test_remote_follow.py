@@ -503,6 +503,27 @@ async def test_without_follow_across_each_process_asks_for_itself(
             assert got[-1].data == "[DONE]"
 
 
+async def test_a_turn_that_is_never_followed_writes_no_log_to_redis(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, redis_server: Server
+) -> None:
+    # on_retry = supersede: no request follows another, so its answer is not published
+    # (a log would cost Redis a write per upstream read, for no reader).
+    body = chat_body(gated=True, tokens=2, prefix="N")
+    off = {"upstream.on_retry": "supersede"}
+    async with two_proxies(make_proxy, upstream, redis_server, **off) as (pa, _):
+        async with pa.client() as ca, AsyncExitStack() as stack:
+            a = await open_stream(stack, ca, CHAT, body, {"X-Turn-Id": "never-followed"})
+            a_events = events(a)
+            assert (await anext(a_events)).text == "N0 "
+            upstream.seen[0].release(10)
+            rest = await asyncio.wait_for(_rest(a_events), 10)
+        await pa.runtime.wait_idle()
+        async with redis_client(redis_server) as r:
+            logs = [key async for key in r.scan_iter(match="*:meta")]
+    assert rest[-1].data == "[DONE]" and a.headers["x-streamfence-attempt"] == "1"
+    assert logs == []
+
+
 @pytest.mark.stress
 async def test_stress_identical_requests_routed_at_random_over_three_processes(
     make_proxy: ProxyFactory, upstream: ScriptedUpstream, redis_server: Server
