@@ -99,7 +99,9 @@ def cause(error: BaseException) -> str:
     """What went wrong underneath an upstream error, in one word an operator can act on:
     refused, DNS, TLS, reset, timeout, or the error's kind (protocol, malformed)."""
     seen: BaseException | None = error
-    while seen is not None:
+    walked: set[int] = set()
+    while seen is not None and id(seen) not in walked:  # a chain set by hand may loop
+        walked.add(id(seen))
         if isinstance(seen, ConnectionRefusedError):
             return "refused"
         if isinstance(seen, socket.gaierror):
