@@ -24,6 +24,8 @@ responses in one place, in the caller's dialect (its frames mid-stream: `proxy.w
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterator
 from typing import TypeVar
 
 E = TypeVar("E", bound=BaseException)
@@ -170,16 +172,30 @@ def superseded_message(attempt: int, newer: int | None = None) -> str:
     )
 
 
+def chain(error: BaseException) -> Iterator[BaseException]:
+    """`error`, then what caused it (`__cause__`, else `__context__`) and the members of any
+    group, breadth first, each once: a chain set by hand may loop (`raise e from e`)."""
+    seen: set[int] = set()
+    todo = deque([error])
+    while todo:
+        current = todo.popleft()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        if isinstance(current, BaseExceptionGroup):
+            todo.extend(current.exceptions)
+        following = current.__cause__ or current.__context__
+        if following is not None:
+            todo.append(following)
+
+
 def kept(error: E) -> E:
     """`error`, to be kept on an object that outlives the raise (a generation, a client), without
     the tracebacks of its chain: their frames refer back to that object, a cycle that only the
     garbage collector would free (docs/history/benchmarks-2026-12.md, "the host, and garbage"). What
     is logged of an error is its type, message and cause (`proxy.upstream.causes`), never its
     frames."""
-    current: BaseException | None = error
-    seen: set[int] = set()
-    while current is not None and id(current) not in seen:  # a chain set by hand may loop
-        seen.add(id(current))
-        current.__traceback__ = None
-        current = current.__cause__ or current.__context__
+    for link in chain(error):
+        link.__traceback__ = None
     return error

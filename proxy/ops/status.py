@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, Response
 
 from proxy import __version__
+from proxy.errors import chain
 from proxy.ops.ledger import Ledger
 from proxy.ops.record import FOLLOWER_SOURCES, Outcome, Record, Source
 from proxy.ops.statuspage import PAGE, PAGE_HEADERS
@@ -98,8 +99,7 @@ class Supersede:
 def cause(error: BaseException) -> str:
     """What went wrong underneath an upstream error, in one word an operator can act on:
     refused, DNS, TLS, reset, timeout, or the error's kind (protocol, malformed)."""
-    seen: BaseException | None = error
-    while seen is not None:
+    for seen in chain(error):
         if isinstance(seen, ConnectionRefusedError):
             return "refused"
         if isinstance(seen, socket.gaierror):
@@ -110,7 +110,6 @@ def cause(error: BaseException) -> str:
             return "reset"
         if isinstance(seen, TimeoutError):
             return "timeout"
-        seen = seen.__cause__ or seen.__context__
     return str(getattr(error, "kind", "error"))
 
 

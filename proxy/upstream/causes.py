@@ -13,9 +13,10 @@ import os
 import re
 import socket
 import ssl
-from collections.abc import Iterator
 
 import httpx
+
+from proxy import errors
 
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s]*@")
 
@@ -23,22 +24,6 @@ _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s]*@")
 def scrub(text: str) -> str:
     """`text` without any user:password@ of a URL in it."""
     return _USERINFO.sub(r"\1", text)
-
-
-def _chain(exc: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    todo = [exc]
-    while todo:
-        current = todo.pop(0)
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        yield current
-        if isinstance(current, BaseExceptionGroup):
-            todo.extend(current.exceptions)
-        following = current.__cause__ or current.__context__
-        if following is not None:
-            todo.append(following)
 
 
 def _reason(exc: BaseException) -> str | None:
@@ -76,7 +61,7 @@ _SPECIFIC_FIRST = (httpx.ProxyError, httpx.TimeoutException)
 
 def describe(exc: BaseException, address: str = "") -> str:
     """ "host:port: what went wrong" for the log line."""
-    chain = list(_chain(exc))
+    chain = list(errors.chain(exc))
     # A timeout or a proxy failure is itself the cause; otherwise the deepest specific
     # error says most (a ConnectError over a gaierror: name not resolved).
     top = next((e for e in chain if isinstance(e, _SPECIFIC_FIRST)), None)

@@ -22,7 +22,7 @@ import sse_starlette.sse
 from sse_starlette.sse import AppStatus
 from starlette.requests import Request
 
-from proxy.errors import MalformedStream, UpstreamConnectError, UpstreamTimeout
+from proxy.errors import MalformedStream, UpstreamConnectError, UpstreamError, UpstreamTimeout
 from proxy.ops import status, statuspage
 from proxy.ops.record import Record
 from proxy.wire import health
@@ -336,6 +336,19 @@ def test_an_upstream_errors_cause_is_named_from_its_chain() -> None:
     assert status.cause(connect(ConnectionResetError(104, "reset"))) == "reset"
     assert status.cause(_chained(UpstreamTimeout("x"), TimeoutError())) == "timeout"
     assert status.cause(MalformedStream("x")) == "malformed"  # no chain: its kind
+
+
+@pytest.mark.timeout(20)  # a chain walked for ever blocks the loop: only the bound ends it
+def test_a_looped_chain_is_named_and_ends() -> None:
+    # A chain may loop (one set by hand, an exception raised from itself): the page's
+    # walk through it ends, where it blocked the proxy's loop for ever.
+    looped = UpstreamConnectError("x")
+    inner = OSError("httpx")
+    looped.__cause__, inner.__cause__ = inner, looped
+    assert status.cause(looped) == "connect"
+    itself = UpstreamError("x")
+    itself.__cause__ = itself
+    assert status.cause(itself) == "protocol"
 
 
 async def test_a_change_made_while_a_snapshot_is_being_sent_is_not_missed() -> None:

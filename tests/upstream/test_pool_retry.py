@@ -7,12 +7,14 @@ fresh one; on a fresh connection, or after a byte, never. Idle expiry follows th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import pytest
 
-from proxy.upstream.reuse import HINT_CAP, keep_alive_expiry
+from proxy.upstream.connection import Connection
+from proxy.upstream.reuse import HINT_CAP, RESEND_WITHIN, keep_alive_expiry
 from proxy.upstream.transport import Transport
 from tests.conftest import ProxyFactory
 from tests.sse_client import chat_body
@@ -70,9 +72,58 @@ async def test_a_reused_connection_that_sent_a_byte_is_not_retried() -> None:
     handler = closes_the_second_request_on_its_first_connection(b"HTTP/1.1 200 OK\r\n")
     async with serve(handler) as server, client(Transport()) as c:
         assert (await c.post(server.url, content=b"1")).content == b"ok1"
-        with pytest.raises(httpx.RemoteProtocolError):
+        with pytest.raises(httpx.RemoteProtocolError) as caught:
             await c.post(server.url, content=b"2")
     assert server.connections == 1 and len(server.requests) == 2
+    # The connection's own error, as it was: not raised from itself, a chain that loops
+    # (the proxy's status page once walked such a chain for ever, its loop blocked).
+    assert caught.value.__cause__ is None
+
+
+async def test_a_body_that_cannot_be_sent_again_is_not_retried_after_the_race() -> None:
+    """The stale keep-alive race, but the request's body was a stream, read as it was
+    sent: it cannot go again. The error is the connection's, with no word of a server that
+    held the request (it closed at once)."""
+
+    async def parts() -> AsyncIterator[bytes]:
+        yield b"streamed"
+
+    async with serve(closes_the_second_request_on_its_first_connection()) as server:
+        async with client(Transport()) as c:
+            assert (await c.post(server.url, content=b"1")).content == b"ok1"
+            with pytest.raises(httpx.RemoteProtocolError) as caught:
+                await c.post(server.url, content=parts())
+    assert server.connections == 1 and len(server.requests) == 2
+    assert server.requests[1].endswith(b"streamed")
+    said = str(caught.value)
+    assert "not sent again" not in said and "took the request" not in said
+    assert caught.value.__cause__ is None
+
+
+async def test_the_race_is_judged_by_when_the_connection_ended_not_by_when_it_is_seen(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A busy loop: the step that sees the server close the reused connection takes longer
+    than RESEND_WITHIN before the request's own task runs again. The server closed at once,
+    so the request still goes once more; the time the loop was busy is not the server's."""
+    lost = Connection.connection_lost
+    busy: list[float] = []
+
+    def lost_then_busy(self: Connection, exc: Exception | None) -> None:
+        waiting = self.reused and self.started is not None and not self.started.done()
+        lost(self, exc)
+        if waiting:  # the request on the reused connection has not seen the close yet
+            time.sleep(3 * RESEND_WITHIN)  # the loop, busy with other work, blocks
+            busy.append(time.monotonic())
+
+    monkeypatch.setattr(Connection, "connection_lost", lost_then_busy)
+    async with serve(closes_the_second_request_on_its_first_connection()) as server:
+        async with client(Transport()) as c:
+            first = await c.post(server.url + "/a", content=b"one")
+            second = await c.post(server.url + "/b", content=b"two")
+    assert len(busy) == 1, "the reused connection's close was not seen while its request waited"
+    assert (first.content, second.content) == (b"ok1", b"ok3")
+    assert [req.split(b" ")[1] for req in server.requests] == [b"/a", b"/b", b"/b"]
 
 
 async def test_a_read_timeout_on_a_reused_connection_is_not_retried() -> None:

@@ -15,6 +15,7 @@ import struct
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -416,6 +417,34 @@ async def test_tls_against_a_self_signed_server(ca: trustme.CA) -> None:
         async with client(Transport()) as c:
             with pytest.raises(httpx.ConnectError):
                 await c.post(server.url, content=b"secret")
+
+
+@pytest.mark.parametrize("trust", ["default", "ca_bundle"])
+async def test_tls_tells_the_upstream_by_alpn_that_it_speaks_http_1_1(
+    trust: str, ca: trustme.CA, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An upstream that offers HTTP/2 first learns from the handshake that the proxy speaks
+    # HTTP/1.1, as from httpx's own transport and whatever CA setting is in use: a server
+    # that insists on ALPN (or reads it) sees the same client either way.
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    server_ctx.set_alpn_protocols(["h2", "http/1.1"])
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    negotiated: list[str | None] = []
+
+    async def handler(server: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        negotiated.append(w.get_extra_info("ssl_object").selected_alpn_protocol())
+        await keep_alive_echo(server, r, w)
+
+    if trust == "default":  # the system's CAs (which SSL_CERT_FILE stands in for here)
+        monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))
+        transport = Transport()
+    else:  # [server] ca_bundle
+        transport = Transport(ssl_context=upstream.ssl_context_for(str(ca_file), {}))
+    async with serve(handler, tls=server_ctx) as server, client(transport) as c:
+        assert (await c.post(server.url, content=b"x")).content == b"echo:x"
+    assert negotiated == ["http/1.1"]
 
 
 async def test_a_connection_through_an_egress_tunnel_is_the_transports_to_close(
