@@ -6,6 +6,8 @@ closes the upstream; Last-Event-ID resumes; the caps fall back to a new generati
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 from contextlib import AsyncExitStack
 from typing import Any
@@ -455,6 +457,8 @@ async def test_a_replay_window_holds_for_its_seconds_and_no_longer(
         again = await client.post(CHAT, json=body, headers=TURN)
         await proxy.runtime.wait_idle()  # the window is running (the reader is done)
         await asyncio.sleep(1.2)  # time passing is what is tested: past the window
+        assert len(proxy.runtime.generations or ()) == 0  # let go of, with no client
+        assert proxy.runtime.registry.live_keys() == 0
         later = await client.post(CHAT, json=body, headers=TURN)
         await proxy.runtime.wait_idle()
     sources = [r.headers["x-streamfence-source"] for r in (first, again, later)]
@@ -488,8 +492,9 @@ async def test_an_answer_cut_upstream_is_not_kept_for_replays(
 
 @pytest.mark.parametrize("cap", ["join_buffer_bytes", "join_buffer_total_bytes"])
 async def test_over_a_buffer_cap_an_identical_request_starts_a_new_generation(
-    make_proxy: ProxyFactory, upstream: ScriptedUpstream, cap: str
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, cap: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="streamfence")
     key = f"upstream.{cap}" if cap == "join_buffer_bytes" else f"server.{cap}"
     body = chat_body(gated=True, tokens=8, prefix="C")
     async with make_proxy(upstream.url, **HEALTHY, **{key: 300}) as proxy:
@@ -518,6 +523,11 @@ async def test_over_a_buffer_cap_an_identical_request_starts_a_new_generation(
             == 1
         )
         assert proxy.runtime.budget.used == 0
+    # Logged (for each of the two generations), naming the turn as the access log does.
+    messages = [r.getMessage() for r in caplog.records]
+    (turn,) = {json.loads(m)["turn"] for m in messages if '"request"' in m}
+    over = [m for m in messages if "its buffer is over its cap" in m]
+    assert over and all(m.startswith(f"streamfence: turn {turn}: its buffer") for m in over)
 
 
 async def test_the_budget_and_table_are_empty_after_many_followed_turns(
