@@ -152,8 +152,7 @@ def warm_up(files: Sequence[str]) -> None:
     """Import, once, in the parent, every module that the tests of `files` import, except
     the proxy's and the tests' own (each child imports those, the mutated one among them):
     a child then starts in a fraction of a second instead of two."""
-    paths = {f.partition("::")[0] for f in files}  # a test's id names its file first
-    names = ["tests.conftest", *(p.removesuffix(".py").replace("/", ".") for p in sorted(paths))]
+    names = ["tests.conftest", *(_module(f) for f in files)]
     listing = subprocess.run(
         [sys.executable, "-c", _LIST_IMPORTS, *names],
         cwd=ROOT,
@@ -165,6 +164,11 @@ def warm_up(files: Sequence[str]) -> None:
         with contextlib.suppress(Exception):
             importlib.import_module(name)
     import pytest  # noqa: F401
+
+
+def _module(test: str) -> str:
+    """The module of a test file or of one test's node id (`path.py::name[param]`)."""
+    return test.partition("::")[0].removesuffix(".py").replace("/", ".")
 
 
 # Third-party modules only: none whose file is in the repository (bench/ imports the proxy).

@@ -130,6 +130,26 @@ async def test_a_replay_spares_what_its_generation_spent(
         assert tokens(proxy, "streamfence_tokens_spared_total") == REPORTED["anthropic"]
 
 
+async def test_an_answer_kept_for_replays_is_counted_when_a_new_version_replaces_it(
+    upstream: ScriptedUpstream, make_proxy: ProxyFactory
+) -> None:
+    # Kept for its window, then replaced (the turn's next request is another body): it ends
+    # there, and what it cost is counted then, not at the end of a window nobody can use.
+    turn = {"X-Turn-Id": "ledger-replaced"}
+    path = PATHS["openai-chat"]
+    async with (
+        make_proxy(upstream.url, **{"upstream.replay_window": 30.0}) as proxy,
+        proxy.client() as client,
+    ):
+        await client.post(path, json=body("openai-chat"), headers=turn)
+        await proxy.runtime.wait_idle()
+        new = await client.post(path, json=body("openai-chat", prefix="B"), headers=turn)
+        await proxy.runtime.wait_idle()
+        assert new.headers["x-streamfence-source"] == "upstream" and len(upstream.seen) == 2
+        # The first answer's; the second is kept for its own window.
+        assert tokens(proxy, "streamfence_tokens_total") == USAGE
+
+
 async def test_a_fenced_anthropic_generation_s_input_tokens_are_counted_as_cut(
     upstream: ScriptedUpstream, make_proxy: ProxyFactory
 ) -> None:

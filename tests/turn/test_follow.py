@@ -6,6 +6,8 @@ closes the upstream; Last-Event-ID resumes; the caps fall back to a new generati
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 from contextlib import AsyncExitStack
 from typing import Any
@@ -13,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from proxy.wire import health
 from tests.conftest import ProxyFactory
 from tests.probes import metric
 from tests.scripted import Script, ScriptedUpstream
@@ -117,6 +120,33 @@ async def test_a_generation_stays_healthy_while_its_upstream_sends_events(
             b_text, b_events = await _text(b)
     assert len(upstream.seen) == 1 and not _codes(a_rest + b_events)
     assert b_text == "".join(f"L{i} " for i in range(60))
+
+
+async def test_a_generation_is_alive_from_its_response_headers(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The upstream sends its headers late, then nothing yet: a twin arriving now finds the
+    # generation alive as of its headers, not of its request. (The one health function,
+    # told to judge by that, stands in for a clock and a window.)
+    held = Script(hold_headers=True, gated_after_tokens=0, tokens=2, prefix="H")
+    upstream.queue.extend([held, Script(tokens=2, prefix="B")])  # B: a new generation's
+    body = chat_body()
+    async with make_proxy(upstream.url, **HEALTHY) as proxy, proxy.client() as client:
+        async with AsyncExitStack() as stack:
+            opening = asyncio.create_task(open_stream(stack, client, CHAT, body, TURN))
+            (gen,) = await asyncio.wait_for(upstream.wait_requests(1), 5)
+            released = time.monotonic()
+            gen.release(1)  # its headers; each event waits for one more
+            a = await asyncio.wait_for(opening, 5)
+            monkeypatch.setattr(
+                health, "healthy", lambda alive_at, now, within: alive_at >= released
+            )
+            b = await open_stream(stack, client, CHAT, body, TURN)
+            gen.release(10)
+            a_text, _ = await _text(a)
+            b_text, _ = await _text(b)
+    assert b.headers["x-streamfence-source"] == "followed" and len(upstream.seen) == 1
+    assert a_text == b_text == "H0 H1 "
 
 
 async def test_join_follows_even_a_stalled_generation(
@@ -323,6 +353,28 @@ async def test_last_event_id_resumes_a_running_generation_and_bad_ones_are_ignor
         assert results[name] == ("followed", 5), name  # served from the start
 
 
+async def test_where_the_proxy_stamps_no_ids_a_last_event_id_resumes_nothing(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream
+) -> None:
+    # event_ids = "never": the ids a client holds are the upstream's own. One that reads as
+    # the proxy's id of an event the running generation holds is not one: the follower is
+    # served from the start.
+    upstream.default = Script(stream=True, gated=True, tokens=4, prefix="N")
+    options = {**HEALTHY, "upstream.event_ids": "never"}
+    async with make_proxy(upstream.url, **options) as proxy, proxy.client() as client:
+        async with AsyncExitStack() as stack:
+            a = await stack.enter_async_context(client.stream("GET", SSE_PATH, headers=TURN))
+            assert (await anext(events(a))).text == "N0 "
+            assert proxy.runtime.generations is not None
+            (generation,) = proxy.runtime.generations._live.values()
+            lookalike = {**TURN, "Last-Event-ID": f"{generation.token}-1"}
+            b = await stack.enter_async_context(client.stream("GET", SSE_PATH, headers=lookalike))
+            upstream.seen[0].release(10)
+            got = await b.aread()
+    assert len(upstream.seen) == 1 and b"id: " not in got
+    assert (b.headers["x-streamfence-source"], got.count(b"data: {")) == ("followed", 5)
+
+
 async def test_eventsource_style_get_names_its_turn_in_the_query_and_stops_at_the_end(
     make_proxy: ProxyFactory, upstream: ScriptedUpstream
 ) -> None:
@@ -427,10 +479,76 @@ async def test_a_replay_is_only_ever_of_the_same_streaming_mode(
     assert whole.json()["choices"][0]["message"]["content"] == "R0 R1 R2 "
 
 
+async def test_a_non_streaming_answer_is_replayed_too(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream
+) -> None:
+    # A whole JSON body read to its end is a completed answer like a stream's.
+    body = {**chat_body(tokens=3, prefix="J"), "stream": False}
+    async with (
+        make_proxy(upstream.url, **{"upstream.replay_window": 60.0}) as proxy,
+        proxy.client() as client,
+    ):
+        first = await client.post(CHAT, json=body, headers=TURN)
+        again = await client.post(CHAT, json=body, headers=TURN)
+    assert first.headers["x-streamfence-source"] == "upstream"
+    assert again.headers["x-streamfence-source"] == "replayed" and len(upstream.seen) == 1
+    assert again.json() == first.json()
+    assert first.json()["choices"][0]["message"]["content"] == "J0 J1 J2 "
+
+
+async def test_a_replay_window_holds_for_its_seconds_and_no_longer(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream
+) -> None:
+    # One second: a window is not rounded down to none. The retry at once is replayed
+    # (the window counts from the answer's end); one past the window goes upstream again,
+    # and the finished generation lets go of its turn.
+    body = chat_body(tokens=2, prefix="W")
+    async with (
+        make_proxy(upstream.url, **{"upstream.replay_window": 1.0}) as proxy,
+        proxy.client() as client,
+    ):
+        first = await client.post(CHAT, json=body, headers=TURN)
+        again = await client.post(CHAT, json=body, headers=TURN)
+        await proxy.runtime.wait_idle()  # the window is running (the reader is done)
+        await asyncio.sleep(1.2)  # time passing is what is tested: past the window
+        assert len(proxy.runtime.generations or ()) == 0  # let go of, with no client
+        assert proxy.runtime.registry.live_keys() == 0
+        later = await client.post(CHAT, json=body, headers=TURN)
+        await proxy.runtime.wait_idle()
+    sources = [r.headers["x-streamfence-source"] for r in (first, again, later)]
+    assert sources == ["upstream", "replayed", "upstream"] and len(upstream.seen) == 2
+    assert first.text == again.text == later.text
+
+
+async def test_an_answer_cut_upstream_is_not_kept_for_replays(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream
+) -> None:
+    # Nothing to replay: once its client has its error, the generation lets go of its turn
+    # (no window holds it), and the retry is a new answer.
+    upstream.queue.extend([Script(tokens=4, prefix="C", fail_after=2), Script(prefix="N")])
+    body = chat_body()
+    async with (
+        make_proxy(upstream.url, **{"upstream.replay_window": 60.0}) as proxy,
+        proxy.client() as client,
+    ):
+        cut = ""
+        async with client.stream("POST", CHAT, json=body, headers=TURN) as r:
+            with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
+                async for text in r.aiter_text():
+                    cut += text
+        await proxy.runtime.wait_idle()
+        assert len(proxy.runtime.generations or ()) == 0
+        assert proxy.runtime.registry.live_keys() == 0
+        again = await client.post(CHAT, json=body, headers=TURN)
+    assert "C1 " in cut and "C2 " not in cut
+    assert again.headers["x-streamfence-source"] == "upstream" and "N1 " in again.text
+
+
 @pytest.mark.parametrize("cap", ["join_buffer_bytes", "join_buffer_total_bytes"])
 async def test_over_a_buffer_cap_an_identical_request_starts_a_new_generation(
-    make_proxy: ProxyFactory, upstream: ScriptedUpstream, cap: str
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, cap: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="streamfence")
     key = f"upstream.{cap}" if cap == "join_buffer_bytes" else f"server.{cap}"
     body = chat_body(gated=True, tokens=8, prefix="C")
     async with make_proxy(upstream.url, **HEALTHY, **{key: 300}) as proxy:
@@ -459,6 +577,11 @@ async def test_over_a_buffer_cap_an_identical_request_starts_a_new_generation(
             == 1
         )
         assert proxy.runtime.budget.used == 0
+    # Logged (for each of the two generations), naming the turn as the access log does.
+    messages = [r.getMessage() for r in caplog.records]
+    (turn,) = {json.loads(m)["turn"] for m in messages if '"request"' in m}
+    over = [m for m in messages if "its buffer is over its cap" in m]
+    assert over and all(m.startswith(f"streamfence: turn {turn}: its buffer") for m in over)
 
 
 async def test_the_budget_and_table_are_empty_after_many_followed_turns(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -42,6 +43,7 @@ class Feed(httpx.AsyncByteStream):
         self.closed = asyncio.Event()
         self.pulled = 0
         self.endless = endless
+        self.hold_close: asyncio.Event | None = None  # if set: closing waits for it
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         while True:
@@ -60,6 +62,8 @@ class Feed(httpx.AsyncByteStream):
             yield item
 
     async def aclose(self) -> None:
+        if self.hold_close is not None:
+            await self.hold_close.wait()
         self.closed.set()
 
 
@@ -229,11 +233,16 @@ async def test_a_fence_closes_the_old_upstream_connection_in_the_claims_own_step
     await client.wait_bodies(1)
     assert transport.in_use() == 1
     _supersede(gen)()
+    in_the_step = time.perf_counter()
     assert transport.in_use() == 0  # no await since the claim
     await asyncio.wait_for(task, 5)
     await asyncio.wait_for(upstream.seen[0].closed.wait(), 5)
     assert b"stream_superseded" in b"".join(client.bodies)
     assert finished[0].outcome == "superseded"
+    # ... and so the record's fence latency says: measured in that step, too.
+    latency, lease = finished[0].fence_latency, gen.lease
+    assert lease is not None and lease.superseded_at is not None and latency is not None
+    assert latency <= in_the_step - lease.superseded_at
     await transport.aclose()
 
 
@@ -283,6 +292,25 @@ async def test_a_cancellation_from_outside_is_not_absorbed_with_the_fences_own()
     await asyncio.wait({task}, timeout=5)
     assert task.cancelled()
     assert b"stream_superseded" not in b"".join(client.bodies)
+    assert finished[0].outcome == "superseded"
+
+
+async def test_a_fenced_reader_closing_its_upstream_is_not_cancelled_again() -> None:
+    # The fence cancels the reader; its client (waiting for the upstream's close before its
+    # frame) leaves while that close is still under way: the last client leaving must not
+    # cancel the reader again, which would cut the close and the reader's end short, and
+    # leave the client's response waiting for that end.
+    feed = Feed()
+    feed.hold_close = asyncio.Event()
+    gen, client, task, finished = await _one_event_written(feed)
+    _supersede(gen)()
+    client.leave()
+    for _ in range(100):
+        await asyncio.sleep(0)  # it leaves; the reader still closes
+    assert not feed.closed.is_set() and not task.done()
+    feed.hold_close.set()
+    await asyncio.wait_for(task, 5)
+    assert feed.closed.is_set() and gen.finished.is_set()
     assert finished[0].outcome == "superseded"
 
 
@@ -537,6 +565,27 @@ async def test_when_the_slow_client_leaves_a_held_back_reader_the_fast_one_gets_
     assert b"".join(fast.bodies) == event * 20 + b"data: [DONE]\n\n"
     assert finished[0].outcome == "completed"
     await asyncio.wait_for(slow_task, 5)
+
+
+async def test_a_held_back_reader_goes_on_as_its_slow_client_reads_again() -> None:
+    # Over its cap, the reader waits for room; the slow client writing again makes it (each
+    # write drops what every client has written), and both get the whole answer.
+    event = b"data: " + b"x" * 50 + b"\n\n"
+    feed = Feed()
+    gen = _generation(feed, buffer_bytes=200)
+    slow, fast = Client(block_after=1), Client()
+    _, slow_task, _ = _subscribe(gen, slow)
+    _, fast_task, _ = _subscribe(gen, fast)
+    for chunk in [event] * 20 + [b"data: [DONE]\n\n", b""]:
+        feed.queue.put_nowait(chunk)
+    await slow.wait_bodies(1)
+    for _ in range(500):
+        await asyncio.sleep(0)  # the reader and the fast client run as far as they may
+    assert not gen.followable and len(fast.bodies) < 21  # held back by the slow client
+    slow.read_again()
+    await asyncio.wait_for(asyncio.gather(slow_task, fast_task), 5)
+    for client in (slow, fast):
+        assert b"".join(client.bodies) == event * 20 + b"data: [DONE]\n\n"
 
 
 async def test_a_client_that_stops_reading_holds_back_the_reader_writing_for_it() -> None:
