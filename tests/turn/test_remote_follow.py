@@ -21,6 +21,7 @@ from proxy.config.schema import RegistryConfig
 from proxy.registry import Beside, Follow, Lease
 from proxy.registry.genlog.log import DEAD_AFTER, DETECT_WITHIN, LogWriter
 from proxy.registry.redis import RedisRegistry
+from proxy.turn.remote import cursor_after
 from tests.conftest import Proxy, ProxyFactory
 from tests.netlink import Link
 from tests.probes import metric
@@ -223,11 +224,18 @@ async def test_a_follow_answer_counts_its_reader_at_once_and_an_ended_log_is_cla
         follow = await twin()
         assert isinstance(follow, Follow) and follow.token == lease.token
         assert 5.0 <= follow.quiet < 5.0 + 60  # plus the moment since, however loaded
+        # Nothing published yet: a Last-Event-ID of the generation's first event (its
+        # writer's own client saw it before the write reached Redis) is not resumed after.
+        assert follow.events == 0
+        assert cursor_after(follow, f"{lease.token}-1".encode()) is None
         # Counted as a reader from the answer on, before its first read: the writer,
         # recounting now, keeps its upstream (and its log) open.
         assert await store.readers(keys, close_if_none=True) == 1
+        async with redis_client(redis_server) as r:
+            await r.hset(keys[1], "next", 2)  # two events published
         second = await twin()
-        assert isinstance(second, Follow)
+        assert isinstance(second, Follow) and second.events == 2
+        assert cursor_after(second, f"{lease.token}-1".encode()) == 1
         # With no reader left the writer's recount ends the log: the next twin, a moment
         # later, claims a generation of its own instead of following one that stops.
         for reader in (follow, second):
