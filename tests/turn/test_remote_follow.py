@@ -17,8 +17,11 @@ from typing import Any
 import httpx
 import pytest
 
+from proxy.config.schema import RegistryConfig
+from proxy.registry import Beside, Follow, Lease
 from proxy.registry.genlog.log import DEAD_AFTER, DETECT_WITHIN, LogWriter
 from proxy.registry.redis import RedisRegistry
+from proxy.turn.remote import cursor_after
 from tests.conftest import Proxy, ProxyFactory
 from tests.netlink import Link
 from tests.probes import metric
@@ -193,6 +196,56 @@ async def test_a_quiet_stream_whose_writer_is_alive_is_followed_on_another_proce
             a_rest = await asyncio.wait_for(_rest(a_events), 10)
         assert "".join(e.text for e in b_rest) == "Q0 Q1 Q2 " and not _errors(a_rest + b_rest)
         assert len(upstream.seen) == 1
+
+
+async def test_a_follow_answer_counts_its_reader_at_once_and_an_ended_log_is_claimed_anew(
+    redis_server: Server,
+) -> None:
+    # The claim script against crafted log keys, no upstream: what a twin's claim answers
+    # and leaves behind, with nothing else between.
+    registry = RedisRegistry(RegistryConfig(backend="redis", url=redis_server.url))
+    await registry.start()
+    store = registry.generation_log().store
+    key = "remote-direct"
+
+    async def twin() -> Lease | Follow | Beside:
+        return await registry.claim_or_follow(key, "body", True, 3600.0, "adaptive")
+
+    try:
+        lease = await twin()
+        assert isinstance(lease, Lease)
+        keys = store.keys(key, lease.token)
+        async with redis_client(redis_server) as r:
+            # By Redis's clock: the writer's last content 5 s ago, and a liveness stamp
+            # (`at`) that stays fresh however slowly this test goes on.
+            seconds, micros = await r.time()
+            now = seconds * 1000 + micros // 1000
+            await r.hset(keys[1], mapping={"last": now - 5000, "at": now + 600_000})
+        follow = await twin()
+        assert isinstance(follow, Follow) and follow.token == lease.token
+        assert 5.0 <= follow.quiet < 5.0 + 60  # plus the moment since, however loaded
+        # Nothing published yet: a Last-Event-ID of the generation's first event (its
+        # writer's own client saw it before the write reached Redis) is not resumed after.
+        assert follow.events == 0
+        assert cursor_after(follow, f"{lease.token}-1".encode()) is None
+        # Counted as a reader from the answer on, before its first read: the writer,
+        # recounting now, keeps its upstream (and its log) open.
+        assert await store.readers(keys, close_if_none=True) == 1
+        async with redis_client(redis_server) as r:
+            await r.hset(keys[1], "next", 2)  # two events published
+        second = await twin()
+        assert isinstance(second, Follow) and second.events == 2
+        assert cursor_after(second, f"{lease.token}-1".encode()) == 1
+        # With no reader left the writer's recount ends the log: the next twin, a moment
+        # later, claims a generation of its own instead of following one that stops.
+        for reader in (follow, second):
+            await store.unregister(keys, reader.reader_id)
+        assert await store.readers(keys, close_if_none=True) == 0
+        again = await twin()
+        assert isinstance(again, Lease) and again.token > lease.token
+        await registry.release(again)
+    finally:
+        await registry.close()
 
 
 @pytest.mark.parametrize(
