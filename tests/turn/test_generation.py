@@ -25,6 +25,7 @@ from proxy.turn.ask import Ask
 from proxy.turn.buffer import Budget
 from proxy.turn.generation import Generation
 from proxy.turn.relay import Subscriber
+from proxy.turn.rule import Action, Attempt, Policy, decide
 from proxy.turn.tee import Tee, TeeFor
 from proxy.turn.writes import Exchange
 from proxy.upstream.client import UpstreamClient
@@ -603,6 +604,24 @@ async def test_a_client_that_stops_reading_holds_back_the_reader_writing_for_it(
     assert feed.closed.is_set()
 
 
+async def test_a_generation_whose_last_client_left_is_not_followed_while_it_closes() -> None:
+    # Its upstream is being closed (slowly, here): an identical request arriving now would
+    # follow an answer that is about to be cut; the rule must send it upstream instead.
+    feed = Feed()
+    feed.hold_close = asyncio.Event()
+    gen, client, task, _ = await _one_event_written(feed)
+    identical = Attempt("body", True, True, None)
+    policy = Policy("adaptive", 3600.0, False)
+    assert decide(gen, identical, policy, time.monotonic()).action is Action.FOLLOW
+    client.leave()
+    for _ in range(100):
+        await asyncio.sleep(0)  # the client's task detaches; the upstream starts to close
+    assert not task.done() and not feed.closed.is_set()
+    assert decide(gen, identical, policy, time.monotonic()).action is Action.NEW
+    feed.hold_close.set()
+    await asyncio.wait_for(task, 5)
+
+
 async def test_the_last_client_leaving_closes_the_upstream_and_releases_the_lease() -> None:
     feed = Feed()
     gen = _generation(feed)
@@ -854,6 +873,37 @@ async def test_a_client_here_again_keeps_the_upstream_and_reopens_what_its_tee_c
     feed.queue.put_nowait(b"")
     await asyncio.wait_for(task, 5)
     assert b"data: two" in b"".join(again.bodies) and finished[0].outcome == "completed"
+
+
+async def test_the_last_client_here_leaving_a_held_back_reader_frees_it_for_readers_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Over its cap (so no longer followable), the reader waits for the slow one of its two
+    # clients here; both leave while another process reads the generation through its tee:
+    # the reader must go on to the end for it, not wait for room nobody will make.
+    monkeypatch.setattr(tees, "RECHECK", 0.01)
+    tee = RecordingTee()
+    event = b"data: " + b"x" * 50 + b"\n\n"
+    feed = Feed()
+    gen = _generation(feed, buffer_bytes=200, tee=tee.maker()[0])
+    slow, fast = Client(block_after=1), Client()
+    _, slow_task, _ = _subscribe(gen, slow)
+    _, fast_task, _ = _subscribe(gen, fast)
+    for chunk in [event] * 20 + [b"data: [DONE]\n\n", b""]:
+        feed.queue.put_nowait(chunk)
+    await asyncio.wait_for(slow.stuck.wait(), 5)
+    for _ in range(100):
+        await asyncio.sleep(0)  # the reader and the fast client run as far as they may
+    assert not gen.followable and feed.pulled < 21  # held back by the slow client
+    for _ in range(50):
+        tee.readers.put_nowait(1)  # one reader elsewhere, whenever asked
+    fast.leave()
+    await asyncio.wait_for(fast_task, 5)
+    slow.leave()
+    await asyncio.wait_for(slow_task, 5)
+    await asyncio.wait_for(gen.finished.wait(), 5)
+    assert gen.completed and feed.pulled == 21
+    assert [e for kind, e in tee.told if kind == "event"][-1] == b"data: [DONE]\n\n"
 
 
 async def test_a_broken_tee_does_not_hold_the_upstream_for_readers_elsewhere() -> None:
