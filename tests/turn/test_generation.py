@@ -131,6 +131,7 @@ def _generation(
     url: str = "http://upstream.test",
     registry: MemoryRegistry | None = None,
     tee: TeeFor | None = None,
+    on_end: Callable[[Generation], None] = lambda g: None,
 ) -> Generation:
     """A generation of one streaming chat request, read from `feed` (or `over` a real
     transport, from the upstream at `url`)."""
@@ -147,7 +148,8 @@ def _generation(
     )
     transport = over or Transport(feed or Feed())
     client = UpstreamClient(transport)
-    return Generation(ask, client, registry or MemoryRegistry(), Budget(1 << 30), tee=tee)
+    registry = registry or MemoryRegistry()
+    return Generation(ask, client, registry, Budget(1 << 30), on_end, tee=tee)
 
 
 def _subscribe(
@@ -620,6 +622,19 @@ async def test_a_generation_whose_last_client_left_is_not_followed_while_it_clos
     assert decide(gen, identical, policy, time.monotonic()).action is Action.NEW
     feed.hold_close.set()
     await asyncio.wait_for(task, 5)
+
+
+async def test_a_generation_ends_once_however_many_ask_it_to() -> None:
+    # Its replay window ending and a newer version fencing it may each ask, in one loop
+    # iteration: the table must be told once (the ledger would count the answer twice).
+    feed = Feed()
+    ended: list[Generation] = []
+    gen = _generation(feed, on_end=ended.append)
+    feed.queue.put_nowait(b"data: one\n\n")
+    feed.queue.put_nowait(b"")
+    await asyncio.wait_for(gen.finished.wait(), 5)
+    await asyncio.gather(gen.end(), gen.end())
+    assert ended == [gen] and gen.buffer.size == 0
 
 
 async def test_the_last_client_leaving_closes_the_upstream_and_releases_the_lease() -> None:
