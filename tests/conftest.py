@@ -90,8 +90,21 @@ def make_proxy() -> ProxyFactory:
         # are uvicorn's httptools protocol and ws="none").
         options = uvicorn_options(config)
         protocols = {key: options[key] for key in ("http", "ws", "ws_max_size")}
-        async with serve(app, **protocols) as (url, _server):
+        escaped: list[BaseException] = []
+
+        async def guarded(scope: Any, receive: Any, send: Any) -> None:
+            # An error out of the app reaches no client (the server logs it, closes the
+            # connection): the test could pass with it. Any is a failure of the test.
+            try:
+                await app(scope, receive, send)
+            except Exception as exc:
+                escaped.append(exc)
+                raise
+
+        async with serve(guarded, **protocols) as (url, _server):
             yield Proxy(url, app.state.runtime)
+        if escaped:
+            pytest.fail(f"the proxy's app raised, and the server swallowed it: {escaped!r}")
 
     return start
 
