@@ -9,14 +9,15 @@ import asyncio
 import json
 import logging
 import time
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import httpx
 import pytest
 
 from proxy.wire import health
-from tests.conftest import ProxyFactory
+from tests.conftest import Proxy, ProxyFactory
 from tests.probes import metric
 from tests.scripted import Script, ScriptedUpstream
 from tests.sse_client import Event, chat_body, events, events_of_a_cut_body, open_stream
@@ -25,6 +26,20 @@ from tests.stress import harness
 CHAT = "/v1/chat/completions"
 TURN = {"X-Turn-Id": "follow-turn"}
 HEALTHY = {"upstream.healthy_within": 3600.0}
+
+
+@asynccontextmanager
+async def replaying(
+    make_proxy: ProxyFactory, upstream: ScriptedUpstream, window: float = 60.0
+) -> AsyncIterator[tuple[Proxy, httpx.AsyncClient]]:
+    """A proxy that keeps finished answers `window` seconds for replays, and a client of it."""
+    async with (
+        make_proxy(upstream.url, **{"upstream.replay_window": window}) as proxy,
+        proxy.client() as client,
+    ):
+        yield proxy, client
+
+
 STALLED = {"upstream.healthy_within": 0.0}
 
 
@@ -443,9 +458,8 @@ async def test_a_request_without_a_turn_keeps_the_upstreams_ids_and_its_last_eve
 async def test_replay_after_completion_needs_an_explicit_turn_id(
     make_proxy: ProxyFactory, upstream: ScriptedUpstream
 ) -> None:
-    options = {"upstream.replay_window": 60.0}
     body = chat_body(tokens=3, prefix="R")
-    async with make_proxy(upstream.url, **options) as proxy, proxy.client() as client:
+    async with replaying(make_proxy, upstream) as (proxy, client):
         first = await client.post(CHAT, json=body, headers=TURN)
         again = await client.post(CHAT, json=body, headers=TURN)
         assert len(upstream.seen) == 1  # replayed from memory
@@ -467,10 +481,7 @@ async def test_a_replay_is_only_ever_of_the_same_streaming_mode(
     # A non-streaming fallback of a streamed turn that completed: never a replayed stream
     # (an SDK that asked for JSON cannot read SSE), a new answer from upstream.
     body = chat_body(tokens=3, prefix="R")
-    async with (
-        make_proxy(upstream.url, **{"upstream.replay_window": 60.0}) as proxy,
-        proxy.client() as client,
-    ):
+    async with replaying(make_proxy, upstream) as (proxy, client):
         streamed = await client.post(CHAT, json=body, headers=TURN)
         whole = await client.post(CHAT, json={**body, "stream": False}, headers=TURN)
     assert streamed.headers["content-type"].startswith("text/event-stream")
@@ -484,10 +495,7 @@ async def test_a_non_streaming_answer_is_replayed_too(
 ) -> None:
     # A whole JSON body read to its end is a completed answer like a stream's.
     body = {**chat_body(tokens=3, prefix="J"), "stream": False}
-    async with (
-        make_proxy(upstream.url, **{"upstream.replay_window": 60.0}) as proxy,
-        proxy.client() as client,
-    ):
+    async with replaying(make_proxy, upstream) as (proxy, client):
         first = await client.post(CHAT, json=body, headers=TURN)
         again = await client.post(CHAT, json=body, headers=TURN)
     assert first.headers["x-streamfence-source"] == "upstream"
@@ -503,10 +511,7 @@ async def test_a_replay_window_holds_for_its_seconds_and_no_longer(
     # (the window counts from the answer's end); one past the window goes upstream again,
     # and the finished generation lets go of its turn.
     body = chat_body(tokens=2, prefix="W")
-    async with (
-        make_proxy(upstream.url, **{"upstream.replay_window": 1.0}) as proxy,
-        proxy.client() as client,
-    ):
+    async with replaying(make_proxy, upstream, 1.0) as (proxy, client):
         first = await client.post(CHAT, json=body, headers=TURN)
         again = await client.post(CHAT, json=body, headers=TURN)
         await proxy.runtime.wait_idle()  # the window is running (the reader is done)
@@ -527,10 +532,7 @@ async def test_an_answer_cut_upstream_is_not_kept_for_replays(
     # (no window holds it), and the retry is a new answer.
     upstream.queue.extend([Script(tokens=4, prefix="C", fail_after=2), Script(prefix="N")])
     body = chat_body()
-    async with (
-        make_proxy(upstream.url, **{"upstream.replay_window": 60.0}) as proxy,
-        proxy.client() as client,
-    ):
+    async with replaying(make_proxy, upstream) as (proxy, client):
         cut = ""
         async with client.stream("POST", CHAT, json=body, headers=TURN) as r:
             with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):

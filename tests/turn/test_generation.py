@@ -11,6 +11,7 @@ import json
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -528,9 +529,41 @@ async def test_a_slow_stream_with_a_reading_client_is_not_dropped_by_the_write_t
     assert finished[0].outcome == "completed" and finished[0].events == 5
 
 
+BIG = b"data: " + b"x" * 50 + b"\n\n"  # the fifth goes past a 200-byte cap
+ANSWER = BIG * 20 + b"data: [DONE]\n\n"
+
+
+@dataclass
+class HeldBack:
+    gen: Generation
+    feed: Feed
+    slow: Client
+    fast: Client
+    slow_task: asyncio.Task[None]
+    fast_task: asyncio.Task[None]
+    fast_records: list[Record]
+
+
+async def _held_back(tee: TeeFor | None = None) -> HeldBack:
+    """A generation over its 200-byte cap (no longer followable) whose whole ANSWER is in its
+    feed, with a client that stopped reading after one event and a fast one: its reader is
+    held back by the slow one, the fast one has not got it all."""
+    feed = Feed()
+    gen = _generation(feed, buffer_bytes=200, tee=tee)
+    slow, fast = Client(block_after=1), Client()
+    _, slow_task, _ = _subscribe(gen, slow)
+    _, fast_task, fast_records = _subscribe(gen, fast)
+    for chunk in [BIG] * 20 + [b"data: [DONE]\n\n", b""]:
+        feed.queue.put_nowait(chunk)
+    await asyncio.wait_for(slow.stuck.wait(), 5)
+    for _ in range(500):
+        await asyncio.sleep(0)  # the reader and the fast client run as far as they may
+    assert not gen.followable and feed.pulled < 21 and len(fast.bodies) < 21
+    return HeldBack(gen, feed, slow, fast, slow_task, fast_task, fast_records)
+
+
 async def test_after_an_overflow_the_reader_waits_for_its_slowest_client() -> None:
-    event = b"data: " + b"x" * 50 + b"\n\n"
-    feed = Feed(endless=event)
+    feed = Feed(endless=BIG)
     gen = _generation(feed, buffer_bytes=200)
     slow, fast = Client(block_after=1), Client()
     _, slow_task, _ = _subscribe(gen, slow)
@@ -540,7 +573,7 @@ async def test_after_an_overflow_the_reader_waits_for_its_slowest_client() -> No
         await asyncio.sleep(0)  # let the reader and the fast client run as far as they may
     assert not gen.followable  # over its cap: nobody may follow it any more
     assert feed.pulled < 12  # held back by the client that stopped reading
-    assert gen.buffer.size <= 200 + len(event)
+    assert gen.buffer.size <= 200 + len(BIG)
     for task in (slow_task, fast_task):
         task.cancel()
     await asyncio.gather(slow_task, fast_task, return_exceptions=True)
@@ -551,56 +584,33 @@ async def test_when_the_slow_client_leaves_a_held_back_reader_the_fast_one_gets_
     # Over its cap, the buffer keeps what its slowest client has yet to write, and the reader
     # waits for room. That client leaving makes the room: the one left, caught up and
     # waiting, gets the rest of the answer (nothing else would ever wake the reader).
-    event = b"data: " + b"x" * 50 + b"\n\n"
-    feed = Feed()
-    gen = _generation(feed, buffer_bytes=200)
-    slow, fast = Client(block_after=1), Client()
-    _, slow_task, _ = _subscribe(gen, slow)
-    _, fast_task, finished = _subscribe(gen, fast)
-    for chunk in [event] * 20 + [b"data: [DONE]\n\n", b""]:
-        feed.queue.put_nowait(chunk)
-    await slow.wait_bodies(1)
-    for _ in range(500):
-        await asyncio.sleep(0)  # the reader and the fast client run as far as they may
-    assert not gen.followable and len(fast.bodies) < 21  # held back by the slow client
-    slow.leave()
-    await asyncio.wait_for(fast_task, 5)
-    assert b"".join(fast.bodies) == event * 20 + b"data: [DONE]\n\n"
-    assert finished[0].outcome == "completed"
-    await asyncio.wait_for(slow_task, 5)
+    held = await _held_back()
+    held.slow.leave()
+    await asyncio.wait_for(held.fast_task, 5)
+    assert b"".join(held.fast.bodies) == ANSWER
+    assert held.fast_records[0].outcome == "completed"
+    await asyncio.wait_for(held.slow_task, 5)
 
 
 async def test_a_held_back_reader_goes_on_as_its_slow_client_reads_again() -> None:
     # Over its cap, the reader waits for room; the slow client writing again makes it (each
     # write drops what every client has written), and both get the whole answer.
-    event = b"data: " + b"x" * 50 + b"\n\n"
-    feed = Feed()
-    gen = _generation(feed, buffer_bytes=200)
-    slow, fast = Client(block_after=1), Client()
-    _, slow_task, _ = _subscribe(gen, slow)
-    _, fast_task, _ = _subscribe(gen, fast)
-    for chunk in [event] * 20 + [b"data: [DONE]\n\n", b""]:
-        feed.queue.put_nowait(chunk)
-    await slow.wait_bodies(1)
-    for _ in range(500):
-        await asyncio.sleep(0)  # the reader and the fast client run as far as they may
-    assert not gen.followable and len(fast.bodies) < 21  # held back by the slow client
-    slow.read_again()
-    await asyncio.wait_for(asyncio.gather(slow_task, fast_task), 5)
-    for client in (slow, fast):
-        assert b"".join(client.bodies) == event * 20 + b"data: [DONE]\n\n"
+    held = await _held_back()
+    held.slow.read_again()
+    await asyncio.wait_for(asyncio.gather(held.slow_task, held.fast_task), 5)
+    for client in (held.slow, held.fast):
+        assert b"".join(client.bodies) == ANSWER
 
 
 async def test_a_client_that_stops_reading_holds_back_the_reader_writing_for_it() -> None:
-    event = b"data: " + b"x" * 50 + b"\n\n"
-    feed = Feed(endless=event)
+    feed = Feed(endless=BIG)
     gen = _generation(feed, buffer_bytes=200)
     client = Client(block_after=1)
     _, task, _ = _subscribe(gen, client)
     await client.wait_bodies(1)
     for _ in range(500):
         await asyncio.sleep(0)
-    assert feed.pulled < 5 and gen.buffer.size <= 200 + len(event)
+    assert feed.pulled < 5 and gen.buffer.size <= 200 + len(BIG)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     assert feed.closed.is_set()
@@ -898,26 +908,15 @@ async def test_the_last_client_here_leaving_a_held_back_reader_frees_it_for_read
     # the reader must go on to the end for it, not wait for room nobody will make.
     monkeypatch.setattr(tees, "RECHECK", 0.01)
     tee = RecordingTee()
-    event = b"data: " + b"x" * 50 + b"\n\n"
-    feed = Feed()
-    gen = _generation(feed, buffer_bytes=200, tee=tee.maker()[0])
-    slow, fast = Client(block_after=1), Client()
-    _, slow_task, _ = _subscribe(gen, slow)
-    _, fast_task, _ = _subscribe(gen, fast)
-    for chunk in [event] * 20 + [b"data: [DONE]\n\n", b""]:
-        feed.queue.put_nowait(chunk)
-    await asyncio.wait_for(slow.stuck.wait(), 5)
-    for _ in range(100):
-        await asyncio.sleep(0)  # the reader and the fast client run as far as they may
-    assert not gen.followable and feed.pulled < 21  # held back by the slow client
+    held = await _held_back(tee.maker()[0])
     for _ in range(50):
         tee.readers.put_nowait(1)  # one reader elsewhere, whenever asked
-    fast.leave()
-    await asyncio.wait_for(fast_task, 5)
-    slow.leave()
-    await asyncio.wait_for(slow_task, 5)
-    await asyncio.wait_for(gen.finished.wait(), 5)
-    assert gen.completed and feed.pulled == 21
+    held.fast.leave()
+    await asyncio.wait_for(held.fast_task, 5)
+    held.slow.leave()
+    await asyncio.wait_for(held.slow_task, 5)
+    await asyncio.wait_for(held.gen.finished.wait(), 5)
+    assert held.gen.completed and held.feed.pulled == 21
     assert [e for kind, e in tee.told if kind == "event"][-1] == b"data: [DONE]\n\n"
 
 
