@@ -22,9 +22,10 @@ from proxy.errors import MalformedStream
 _BOUNDARY = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
 _LINE_END = re.compile(r"\r\n|\r|\n")
 
-DEFAULT_MAX_EVENT_BYTES = 1 << 20
 # Below this, rescanning the unfinished event is cheaper than checking whether to.
 _PARK_AFTER = 4096
+# A boundary is at most four bytes ("\r\n\r\n"); one of them is in the new read.
+_TAIL = 3
 
 
 class SSESplitter:
@@ -36,7 +37,7 @@ class SSESplitter:
 
     __slots__ = ("_buf", "_max", "_more", "_size", "error")
 
-    def __init__(self, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
+    def __init__(self, max_event_bytes: int) -> None:
         self._buf = b""  # the unfinished event, as last scanned
         # Reads parked after `_buf` that cannot end it: a long event is scanned once per read
         # and joined once, not rejoined and rescanned on every read (quadratic in its size,
@@ -99,17 +100,22 @@ class SSESplitter:
         return self._validated([rest + b"\n\n"])
 
     def _tail(self) -> bytes:
-        # The last 3 bytes buffered: with a new read, they hold any boundary it may end.
-        tail = self._buf[-3:]
-        for part in self._more[-3:]:  # parked reads are never empty
-            tail = (tail + part[-3:])[-3:]
+        # The last bytes buffered that, with a new read, hold any boundary it may end.
+        tail = self._buf[-_TAIL:]
+        for part in self._more[-_TAIL:]:  # parked reads are never empty
+            tail = (tail + part[-_TAIL:])[-_TAIL:]
         return tail
 
     def _too_big(self) -> None:
-        self._buf, self._more, self._size = b"", [], 0
-        self.error = MalformedStream(
-            f"the upstream sent an SSE event over the {self._max}-byte limit"
+        self._fail(
+            MalformedStream(f"the upstream sent an SSE event over the {self._max}-byte limit")
         )
+
+    def _fail(self, error: MalformedStream) -> None:
+        # The stream ends here: what is held is dropped at once (up to a whole event's
+        # limit), not kept until the stream's object goes.
+        self._buf, self._more, self._size = b"", [], 0
+        self.error = error
 
     def _validated(self, events: list[bytes]) -> list[bytes]:
         if not events:
@@ -126,14 +132,13 @@ class SSESplitter:
             try:
                 event.decode("utf-8")
             except UnicodeDecodeError:
-                self.error = MalformedStream("the upstream sent an SSE event that is not UTF-8")
-                self._buf = b""
+                self._fail(MalformedStream("the upstream sent an SSE event that is not UTF-8"))
                 return events[:i]
         return events  # pragma: no cover - the joined check failed, so one event must
 
 
 def _may_end_event(window: bytes) -> bool:
-    """Whether an event boundary may end in `window` (a new read after the last 3 bytes
+    """Whether an event boundary may end in `window` (a new read after the last _TAIL bytes
     buffered, which is as far back as a boundary reaching into the read can start)."""
     if window.find(b"\r") < 0:
         return window.find(b"\n\n") >= 0

@@ -983,3 +983,30 @@ async def test_a_registry_closed_at_any_moment_of_its_start_closes(redis_server:
         if rng.random() < 0.5:
             await registry.release(await registry.claim(f"close-{round_}"))
         await asyncio.wait_for(registry.close(), 8)
+
+
+async def test_a_generation_log_lives_its_whole_ttl_before_its_writer_writes(
+    redis_server: Server,
+) -> None:
+    # The claim creates the log, its meta and (with a follower) its readers; the writer's
+    # first write comes only when the upstream answers, which a reasoning model may take
+    # far longer than a moment to do. Until then each key must carry the log's own TTL, or a
+    # twin on another process finds no log to follow and asks upstream a second time.
+    config = RegistryConfig(backend="redis", url=redis_server.url)
+    a, b = RedisRegistry(config), RedisRegistry(config)
+    for registry in (a, b):
+        await registry.start()
+    try:
+        store = a.generation_log().store
+        assert store.ttl_ms > 2 * store.maxlen  # the keys' TTL is not the length cap's value
+        lease = await a.claim_or_follow("slow", "h", True, 5.0, OnRetry.ADAPTIVE)
+        assert isinstance(lease, Lease)
+        log = f"{store.prefix('slow')}{lease.token}"
+        follow = await b.claim_or_follow("slow", "h", True, 5.0, OnRetry.ADAPTIVE)
+        assert not isinstance(follow, Lease)  # it follows: a reader of the log, not a claim
+        async with redis_client(redis_server) as r:
+            for key in (log, f"{log}:meta", f"{log}:readers"):
+                assert store.ttl_ms - 5000 < await r.pttl(key) <= store.ttl_ms, key
+    finally:
+        for registry in (a, b):
+            await registry.close()

@@ -112,7 +112,7 @@ ERRORS: list[StreamfenceError] = [
 
 def parse_frame(frame: bytes) -> tuple[str, dict[str, Any]]:
     # Valid SSE: one whole event, as a client reads it.
-    assert SSESplitter().feed(frame) == [frame]
+    assert SSESplitter(1 << 20).feed(frame) == [frame]
     (event,) = reference_events(frame)
     parsed = json.loads(event.data)
     assert isinstance(parsed, dict)

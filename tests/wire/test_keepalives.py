@@ -92,7 +92,7 @@ def test_keepalives_are_told_apart_in_a_stream_however_it_is_read() -> None:
     )
     starts = dialects.keepalive_starts(ANTHROPIC)
     for size in (1, 2, 3, 7, len(stream)):
-        splitter = SSESplitter()
+        splitter = SSESplitter(1 << 20)
         reads = [stream[i : i + size] for i in range(0, len(stream), size)]
         blocks = [block for read in reads for block in splitter.feed(read)]
         kept = [dialects.is_keepalive(b, starts) for b in blocks]

@@ -100,8 +100,10 @@ def reference_events(stream: bytes) -> list[Dispatched]:
 
 # --- helpers -----------------------------------------------------------------------------
 
+MAX = 1 << 20  # the event size limit, where a test is not about it
 
-def split_all(chunks: list[bytes], max_event_bytes: int = 1 << 20) -> list[bytes]:
+
+def split_all(chunks: list[bytes], max_event_bytes: int = MAX) -> list[bytes]:
     splitter = SSESplitter(max_event_bytes)
     out: list[bytes] = []
     for chunk in chunks:
@@ -184,7 +186,7 @@ def test_events_come_out_as_soon_as_they_are_complete(style: str) -> None:
     # No event is held back waiting for the next one (CONTRACT section 5), except the bare-CR
     # case that cannot be decided yet.
     events = styled_events(style)
-    splitter = SSESplitter()
+    splitter = SSESplitter(MAX)
     for event in events:
         out = splitter.feed(event)
         if event.endswith(b"\r") and not event.endswith(b"\r\n"):
@@ -202,7 +204,7 @@ def test_random_chunking(data: st.DataObject, style: str) -> None:
 
 
 def test_trailing_cr_that_turns_out_to_be_crlf() -> None:
-    splitter = SSESplitter()
+    splitter = SSESplitter(MAX)
     # "\r\n\r" could end the event (CR LF then CR) or be half of a CR LF blank line.
     assert splitter.feed(b"data: a\r\n\r") == []
     assert splitter.feed(b"\n") == [b"data: a\r\n\r\n"]
@@ -215,7 +217,7 @@ def test_trailing_cr_that_turns_out_to_be_crlf() -> None:
 
 
 def test_cr_then_lf_in_one_line_ending_is_not_a_blank_line() -> None:
-    splitter = SSESplitter()
+    splitter = SSESplitter(MAX)
     assert splitter.feed(b"data: a\r") == []
     assert splitter.feed(b"\ndata: b\r") == []
     assert splitter.feed(b"\n") == []
@@ -233,7 +235,7 @@ def test_comments_unknown_fields_id_and_retry_pass_through_unchanged() -> None:
 
 @pytest.mark.parametrize("tail", [b"data: x", b"data: x\n", b"data: x\r\n", b"data: x\r"])
 def test_flush_completes_an_unterminated_last_event(tail: bytes) -> None:
-    splitter = SSESplitter()
+    splitter = SSESplitter(MAX)
     assert splitter.feed(b"data: a\n\n" + tail) == [b"data: a\n\n"]
     (last,) = splitter.flush()
     assert last.startswith(tail)
@@ -243,9 +245,21 @@ def test_flush_completes_an_unterminated_last_event(tail: bytes) -> None:
 
 @pytest.mark.parametrize("tail", [b"", b"\n", b"\r\n", b"\r", b"\r\n\r"])
 def test_flush_returns_nothing_for_leftover_line_endings(tail: bytes) -> None:
-    splitter = SSESplitter()
+    splitter = SSESplitter(MAX)
     assert splitter.feed(b"data: a\n\n" + tail) == [b"data: a\n\n"]
     assert splitter.flush() == []
+
+
+def test_holding_says_whether_part_of_an_event_is_held() -> None:
+    # The upstream client ends a response with its last read only when nothing is held.
+    splitter = SSESplitter(MAX)
+    assert not splitter.holding
+    assert splitter.feed(b"data: a\n\n") == [b"data: a\n\n"] and not splitter.holding
+    assert splitter.feed(b"data: b") == [] and splitter.holding
+    assert splitter.feed(b"\n\n") == [b"data: b\n\n"] and not splitter.holding
+    for _ in range(3):  # past the size where reads are parked
+        assert splitter.feed(b"data: " + b"c" * 4096 + b"\n") == [] and splitter.holding
+    assert len(splitter.flush()) == 1 and not splitter.holding
 
 
 # --- malformed streams --------------------------------------------------------------------
@@ -310,7 +324,7 @@ def test_endless_event_fails_as_soon_as_it_is_over_the_limit(read: int) -> None:
 
 
 def test_invalid_utf8_in_one_event_of_a_batch() -> None:
-    splitter = SSESplitter()
+    splitter = SSESplitter(MAX)
     first, second = b"data: one\n\n", b"data: two\n\n"
     bad = b"data: \xff\xfe\n\n"
     assert splitter.feed(first + second + bad + b"data: after\n\n") == [first, second]
@@ -321,16 +335,34 @@ def test_invalid_utf8_in_one_event_of_a_batch() -> None:
 
 
 def test_invalid_utf8_in_the_second_of_two_events_of_a_read() -> None:
-    splitter = SSESplitter()
+    splitter = SSESplitter(MAX)
     assert splitter.feed(b"data: one\n\n" + b"data: \xff\n\n") == [b"data: one\n\n"]
     assert isinstance(splitter.error, MalformedStream)
 
 
 def test_invalid_utf8_in_the_unterminated_tail_at_flush() -> None:
-    splitter = SSESplitter()
+    splitter = SSESplitter(MAX)
     assert splitter.feed(b"data: ok\n\ndata: \xc3") == [b"data: ok\n\n"]
     assert splitter.flush() == []
     assert isinstance(splitter.error, MalformedStream)
+
+
+@pytest.mark.parametrize(
+    "reads",
+    [
+        [b"data: ok\n\ndata: " + b"x" * 100],  # an unfinished event over the limit
+        [b"data: ok\n\n", b"data: " + b"x" * 40, b"x" * 20 + b"\n\ndata: more"],
+        [b"data: " + b"x" * 4096 + b"\n"] * 2,  # parked reads over the limit
+        [b"data: \xff\n\ndata: unfinished"],  # not UTF-8, with more held after it
+    ],
+    ids=["unfinished", "whole", "parked", "utf8"],
+)
+def test_a_malformed_stream_drops_all_it_held(reads: list[bytes]) -> None:
+    splitter = SSESplitter(64 if len(reads[0]) < 4096 else 6000)
+    for read in reads:
+        splitter.feed(read)
+    assert isinstance(splitter.error, MalformedStream)
+    assert not splitter.holding and splitter.flush() == [] and splitter.feed(b"\n\n") == []
 
 
 def test_multibyte_character_split_across_chunks_is_not_an_error() -> None:
@@ -455,7 +487,7 @@ def test_any_stream_splits_the_same_way_whatever_the_chunking(
     points = data.draw(st.lists(st.integers(0, len(stream)), max_size=20))
 
     def run(chunks: list[bytes]) -> tuple[list[bytes], list[bytes]]:
-        splitter = SSESplitter()
+        splitter = SSESplitter(MAX)
         events = [e for c in chunks for e in splitter.feed(c)]
         return events, splitter.flush()
 
@@ -548,8 +580,8 @@ def test_a_generation_token_of_twenty_digits_is_the_longest_read() -> None:
 def test_a_read_that_begins_with_a_cr_splits_as_it_would_byte_by_byte(chunk: bytes) -> None:
     # The fast path (one whole event in one read) must not take a read with a CR anywhere,
     # at its first byte included: there a CR ends a line, and "\r\r" is an event of its own.
-    whole = SSESplitter(1 << 20).feed(chunk)
-    splitter, bytewise = SSESplitter(1 << 20), []
+    whole = SSESplitter(MAX).feed(chunk)
+    splitter, bytewise = SSESplitter(MAX), []
     for i in range(len(chunk)):
         bytewise += splitter.feed(chunk[i : i + 1])
     assert whole == bytewise
