@@ -24,6 +24,8 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
+from proxy.config.schema import RegistryConfig
+from proxy.registry.redis import RedisRegistry
 from tests.scripted import free_port
 
 REDIS_SERVER = shutil.which("redis-server")
@@ -312,3 +314,17 @@ async def redis_client(server: Server) -> AsyncIterator[Redis | RedisCluster]:
         yield client
     finally:
         await client.aclose()
+
+
+@asynccontextmanager
+async def registries(server: Server, n: int = 2) -> AsyncIterator[list[RedisRegistry]]:
+    """n registries with clients of their own: n processes, as far as Redis can tell."""
+    regs = [RedisRegistry(RegistryConfig(backend="redis", url=server.url)) for _ in range(n)]
+    for reg in regs:
+        await reg.start()
+    try:
+        await asyncio.wait_for(asyncio.gather(*(r.wait_subscribed() for r in regs)), 10)
+        yield regs
+    finally:
+        for reg in regs:
+            await reg.close()

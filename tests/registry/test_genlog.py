@@ -10,8 +10,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -38,6 +36,7 @@ from tests.redis_server import (
     RedisServer,
     Server,
     redis_client,
+    registries,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -50,20 +49,6 @@ HEADERS = [("content-type", "text/event-stream"), ("x-upstream", "a"), ("x-upstr
 
 def ev(i: int) -> bytes:
     return f"data: {i}\n\n".encode()
-
-
-@asynccontextmanager
-async def registries(server: Server, n: int = 2) -> AsyncIterator[list[RedisRegistry]]:
-    """n registries with clients of their own: n processes, as far as Redis can tell."""
-    regs = [RedisRegistry(RegistryConfig(backend="redis", url=server.url)) for _ in range(n)]
-    for reg in regs:
-        await reg.start()
-    try:
-        await asyncio.wait_for(asyncio.gather(*(r.wait_subscribed() for r in regs)), 10)
-        yield regs
-    finally:
-        for reg in regs:
-            await reg.close()
 
 
 async def _take(reader: LogReader, events: int, within: float = 5.0) -> list[Batch]:

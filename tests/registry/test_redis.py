@@ -27,7 +27,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from proxy.config.load import ConfigError, load
 from proxy.config.schema import OnRetry, RegistryConfig
-from proxy.registry.base import Lease
+from proxy.registry.base import Follow, Lease
 from proxy.registry.handshake import ACK_WAIT
 from proxy.registry.redis import RedisRegistry
 from proxy.registry.rounds import ROUNDS
@@ -40,6 +40,7 @@ from tests.redis_server import (
     RedisServer,
     Server,
     redis_client,
+    registries,
 )
 from tests.scripted import ScriptedUpstream, Seen, free_port
 from tests.sse_client import Event, chat_body, events, open_stream
@@ -992,21 +993,14 @@ async def test_a_generation_log_lives_its_whole_ttl_before_its_writer_writes(
     # first write comes only when the upstream answers, which a reasoning model may take
     # far longer than a moment to do. Until then each key must carry the log's own TTL, or a
     # twin on another process finds no log to follow and asks upstream a second time.
-    config = RegistryConfig(backend="redis", url=redis_server.url)
-    a, b = RedisRegistry(config), RedisRegistry(config)
-    for registry in (a, b):
-        await registry.start()
-    try:
+    async with registries(redis_server) as (a, b), redis_client(redis_server) as r:
         store = a.generation_log().store
         assert store.ttl_ms > 2 * store.maxlen  # the keys' TTL is not the length cap's value
         lease = await a.claim_or_follow("slow", "h", True, 5.0, OnRetry.ADAPTIVE)
         assert isinstance(lease, Lease)
         log = f"{store.prefix('slow')}{lease.token}"
+        # b follows: it is registered as a reader of the log, which makes the readers key.
         follow = await b.claim_or_follow("slow", "h", True, 5.0, OnRetry.ADAPTIVE)
-        assert not isinstance(follow, Lease)  # it follows: a reader of the log, not a claim
-        async with redis_client(redis_server) as r:
-            for key in (log, f"{log}:meta", f"{log}:readers"):
-                assert store.ttl_ms - 5000 < await r.pttl(key) <= store.ttl_ms, key
-    finally:
-        for registry in (a, b):
-            await registry.close()
+        assert isinstance(follow, Follow)
+        for key in (log, f"{log}:meta", f"{log}:readers"):
+            assert store.ttl_ms - 5000 < await r.pttl(key) <= store.ttl_ms, key

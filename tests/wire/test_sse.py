@@ -348,17 +348,17 @@ def test_invalid_utf8_in_the_unterminated_tail_at_flush() -> None:
 
 
 @pytest.mark.parametrize(
-    "reads",
+    ("limit", "reads"),
     [
-        [b"data: ok\n\ndata: " + b"x" * 100],  # an unfinished event over the limit
-        [b"data: ok\n\n", b"data: " + b"x" * 40, b"x" * 20 + b"\n\ndata: more"],
-        [b"data: " + b"x" * 4096 + b"\n"] * 2,  # parked reads over the limit
-        [b"data: \xff\n\ndata: unfinished"],  # not UTF-8, with more held after it
+        (64, [b"data: ok\n\ndata: " + b"x" * 100]),  # an unfinished event over the limit
+        (64, [b"data: ok\n\n", b"data: " + b"x" * 40, b"x" * 20 + b"\n\ndata: more"]),
+        (6000, [b"data: " + b"x" * 4096 + b"\n"] * 2),  # parked reads over the limit
+        (64, [b"data: \xff\n\ndata: unfinished"]),  # not UTF-8, with more held after it
     ],
     ids=["unfinished", "whole", "parked", "utf8"],
 )
-def test_a_malformed_stream_drops_all_it_held(reads: list[bytes]) -> None:
-    splitter = SSESplitter(64 if len(reads[0]) < 4096 else 6000)
+def test_a_malformed_stream_drops_all_it_held(limit: int, reads: list[bytes]) -> None:
+    splitter = SSESplitter(limit)
     for read in reads:
         splitter.feed(read)
     assert isinstance(splitter.error, MalformedStream)
